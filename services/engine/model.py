@@ -1,0 +1,170 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over the paged KV cache.
+
+Weights are held in HF naming after loading, then fused per layer (q|k|v and gate|up) so a
+layer is four matmuls. Forward runs on a flat batch of tokens from many sequences; attention
+is the only part that looks at sequence boundaries (through ``AttentionMetadata``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.attention import AttentionBackend, AttentionMetadata
+from services.engine.config import ModelConfig
+from services.engine.errors import ModelLoadError
+from services.engine.kv_cache import KVCache
+from services.engine.rope import Rotary
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as HF's LlamaRMSNorm, so fp32 results match bit for bit.
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Inference-only decoder. Build with ``from_state_dict``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
+        self.cfg = cfg
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary = Rotary(cfg, max_positions, dtype, device)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (the embedding gather reads only a few rows)."""
+        n = self.norm.numel() + self.lm_head.numel()
+        for lw in self.layers:
+            n += sum(t.numel() for t in (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down))
+        return n * self.lm_head.element_size()
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        cfg: ModelConfig,
+        sd: dict[str, torch.Tensor],
+        *,
+        max_positions: int,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ) -> LlamaModel:
+        """Build from HF-named tensors; raises ModelLoadError naming a missing or misshapen one."""
+
+        def get(name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+            t = sd.get(name)
+            if t is None:
+                raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
+            if shape is not None and tuple(t.shape) != shape:
+                raise ModelLoadError(f"weight {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            return t.to(dtype=dtype, device=device)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return get(name) if name in sd else None
+
+        h, hd = cfg.hidden_size, cfg.head_dim
+        q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv_b = None
+            if cfg.attention_bias:
+                qkv_b = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            gu_b = None
+            if cfg.mlp_bias:
+                gu_b = torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
+            layers.append(
+                LayerWeights(
+                    attn_norm=get(p + "input_layernorm.weight", (h,)),
+                    qkv=torch.cat(
+                        [
+                            get(p + "self_attn.q_proj.weight", (q_out, h)),
+                            get(p + "self_attn.k_proj.weight", (kv_out, h)),
+                            get(p + "self_attn.v_proj.weight", (kv_out, h)),
+                        ]
+                    ),
+                    qkv_bias=qkv_b,
+                    o=get(p + "self_attn.o_proj.weight", (h, q_out)),
+                    o_bias=opt(p + "self_attn.o_proj.bias") if cfg.o_bias else None,
+                    mlp_norm=get(p + "post_attention_layernorm.weight", (h,)),
+                    gate_up=torch.cat(
+                        [
+                            get(p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
+                            get(p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
+                        ]
+                    ),
+                    gate_up_bias=gu_b,
+                    down=get(p + "mlp.down_proj.weight", (h, cfg.intermediate_size)),
+                    down_bias=opt(p + "mlp.down_proj.bias") if cfg.mlp_bias else None,
+                )
+            )
+        embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
+        if cfg.tie_word_embeddings or "lm_head.weight" not in sd:
+            lm_head = embed
+        else:
+            lm_head = get("lm_head.weight", (cfg.vocab_size, h))
+        return cls(cfg, embed, layers, get("model.norm.weight", (h,)), lm_head, max_positions, dtype, device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        cache: KVCache,
+        meta: AttentionMetadata,
+        attention: AttentionBackend,
+        logits_idx: torch.Tensor,  # [num_sampled] rows whose next-token logits are needed
+    ) -> torch.Tensor:
+        """Returns fp32 logits [num_sampled, vocab]."""
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        n = input_ids.shape[0]
+        x = self.embed[input_ids]  # [num_tokens, hidden]
+        cos = self.rotary.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.rotary.sin[positions].unsqueeze(1)
+        for i, lw in enumerate(self.layers):
+            h = rms_norm(x, lw.attn_norm, eps)
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q = self.rotary.apply(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self.rotary.apply(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            cache.write(i, k, v.view(n, cfg.num_kv_heads, cfg.head_dim), meta.slot_mapping)
+            o = attention.forward(q, cache, i, meta).reshape(n, self.q_size)
+            x = x + F.linear(o, lw.o, lw.o_bias)
+            h = rms_norm(x, lw.mlp_norm, eps)
+            gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
+        x = rms_norm(x[logits_idx], self.norm, eps)
+        return F.linear(x, self.lm_head).float()

@@ -1,0 +1,56 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request reproducible seeds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+_MASK = 0x7FFF_FFFF_FFFF_FFFF
+
+
+def position_seed(seed: int, index: int) -> int:
+    # NOTE: a pure function of (seed, output index): the same token is drawn whichever engine,
+    # batch or replica samples it, and after a preemption or a resume.
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) & 0xFFFF_FFFF_FFFF_FFFF
+    x ^= x >> 31
+    return x & _MASK
+
+
+def sample(
+    logits: torch.Tensor,  # [num_seqs, vocab], fp32
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    indices: Sequence[int],  # output index each row samples
+) -> tuple[list[int], list[float] | None]:
+    """Returns the chosen token per row and, if any row asked, the log-probability of each
+    chosen token under the model's unmodified distribution (before temperature and filters)."""
+    chosen = logits.argmax(dim=-1).tolist()
+    for row, p in enumerate(params):
+        if p.greedy:
+            continue
+        chosen[row] = _sample_row(logits[row], p, position_seed(seeds[row], indices[row]))
+    logprobs = None
+    if any(p.logprobs for p in params):
+        lp = torch.log_softmax(logits, dim=-1)
+        logprobs = lp[torch.arange(len(chosen)), torch.tensor(chosen)].tolist()
+    return chosen, logprobs
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int) -> int:
+    x = logits / p.temperature
+    if p.top_k and p.top_k < x.shape[0]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
+    probs = torch.softmax(x, dim=-1)
+    g = torch.Generator(device=logits.device).manual_seed(seed)
+    return int(torch.multinomial(probs, 1, generator=g).item())

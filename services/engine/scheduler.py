@@ -1,0 +1,124 @@
+"""Continuous-batching scheduler: a thin loop over the block manager and two queues.
+
+Each step:
+1. Running requests (decodes and unfinished chunked prefills) get their tokens first, in
+   arrival order; when blocks run out the most recently admitted request is preempted (its
+   blocks freed, its tokens recomputed later, mostly from the prefix cache).
+2. Waiting requests are admitted while the token budget, the running cap and the blocks allow;
+   each reuses its longest cached prefix (or an imported KV handle) and prefills the rest in
+   chunks of at most the remaining budget.
+Prefill chunks and decodes of different requests share a step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.block_manager import BlockManager
+from services.engine.config import EngineConfig
+from services.engine.request import Request, Status
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSpan:
+    request: Request
+    start: int  # first position computed this step
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this span reaches the end of the request's tokens (a new token is due)."""
+        return self.start + self.num_new == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    spans: list[ScheduledSpan] = field(default_factory=list)
+    # (request, block ids freshly allocated for the imported handle's blocks, first block index)
+    imports: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.spans)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            while self.blocks.allocate(req.request_id, req.num_computed + n) is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.spans.append(ScheduledSpan(req, req.num_computed, n))
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out  # NOTE: no admission in a step that had to preempt: blocks are short
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            span = self._admit(req, budget, out)
+            if span is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = Status.RUNNING
+            out.spans.append(span)
+            budget -= span.num_new
+        return out
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> ScheduledSpan | None:
+        bs = self.blocks.block_size
+        handle = req.kv_import
+        # At least the last token is always computed: its logits give the next token.
+        reusable = (handle.num_computed if handle is not None else req.num_tokens - 1) // bs
+        hits = self.blocks.lookup_prefix(req.block_hashes[:reusable])
+        start = handle.num_computed if handle is not None else len(hits) * bs
+        n = min(req.num_tokens - start, budget)
+        new = self.blocks.allocate(req.request_id, start + n, hits)
+        if new is None:
+            return None
+        req.num_computed = start
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = len(hits) * bs
+        if handle is not None:
+            table = self.blocks.block_table(req.request_id)
+            out.imports.append((req, table[len(hits) : handle.num_blocks], len(hits)))
+        return ScheduledSpan(req, start, n)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.blocks.free(req.request_id)
+        req.num_computed = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        if req.kv_import is not None and req.num_tokens > req.kv_import.num_computed + 1:
+            req.kv_import = None  # past the handle: recompute from tokens like any request
+        self.waiting.appendleft(req)
+        out.preempted.append(req)

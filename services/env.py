@@ -1,0 +1,27 @@
+"""The one registry of pdserve's environment variables (all prefixed ``PDSERVE_``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    name: str
+    default: str
+    doc: str
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+
+CACHE_DIR = EnvVar(
+    "PDSERVE_CACHE_DIR",
+    str(Path.home() / ".cache" / "pdserve"),
+    "where dequantized GGUF weights are cached as safetensors",
+)
+GPU = EnvVar("PDSERVE_GPU", "0", "deploy/setup.sh: 1 installs the CUDA build of torch and Triton")
+
+REGISTRY: tuple[EnvVar, ...] = (CACHE_DIR, GPU)
