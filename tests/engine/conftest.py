@@ -1,0 +1,136 @@
+"""Engine fixtures: tiny random Llama-family models saved by HF transformers, the real SmolLM2,
+and a teardown that checks every engine's block accounting is back to idle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.loader import load_model
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-gqa-tied": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "llama-mha-untied": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "llama3-rope-scaled": dict(
+        arch="llama",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2-bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "mistral-window": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=24),
+}
+
+
+def make_tiny_model(path: Path, name: str, seed: int = 0) -> Path:
+    """Create and save a random tiny model with HF transformers (the reference implementation)."""
+    import transformers
+
+    spec = dict(TINY_CONFIGS[name])
+    arch = spec.pop("arch")
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        # NOTE: a wide init makes next-token distributions peaked, so greedy argmax is far from
+        # ties and token equality tests the computation, not rounding luck.
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    base.update(spec)
+    cfg = cls_cfg(**base)
+    if arch == "qwen2":
+        cfg.use_sliding_window = False
+    torch.manual_seed(seed)
+    model = cls_model(cfg).eval()
+    if arch == "qwen2":  # biases start at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def get(name: str = "llama-gqa-tied") -> Path:
+        if name not in made:
+            made[name] = make_tiny_model(tmp_path_factory.mktemp(name), name)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir: Callable[[str], Path]) -> Iterator[Callable[..., Engine]]:
+    """Build engines on tiny models; at teardown every engine must be idle with exact accounting."""
+    engines: list[Engine] = []
+
+    def make(model: str = "llama-gqa-tied", **cfg: Any) -> Engine:
+        loaded = load_model(tiny_model_dir(model))
+        eng = Engine(loaded, None, EngineConfig(**{"num_kv_blocks": 64, "block_size": 4, **cfg}))
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.check_integrity()
+        assert eng.blocks.num_used_blocks == 0, "blocks still in use after the test"
+        assert not eng.has_unfinished
+
+
+@pytest.fixture(scope="session")
+def smollm_engine() -> Engine:
+    return Engine.from_path(None, EngineConfig(num_kv_blocks=256))
+
+
+@pytest.fixture(scope="session")
+def smollm_hf() -> Any:
+    """transformers' own GGUF loader on the same file: the independent fp32 reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.engine.loader import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

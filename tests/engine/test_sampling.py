@@ -1,0 +1,108 @@
+"""Sampling and stop conditions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.request import FinishReason
+from services.engine.sampler import sample
+from services.engine.sampling_params import SamplingParams
+
+PROMPT = [10, 20, 30, 40, 50]
+
+
+def _collect(eng):
+    outs = []
+    while eng.has_unfinished:
+        outs += eng.step()
+    return outs
+
+
+def test_same_seed_same_tokens_different_seed_differs(make_engine):
+    eng = make_engine()
+    p = dict(max_tokens=24, temperature=1.0, ignore_eos=True)
+    a = eng.generate([PROMPT], SamplingParams(seed=1, **p))
+    b = eng.generate([PROMPT], SamplingParams(seed=1, **p))
+    c = eng.generate([PROMPT], SamplingParams(seed=2, **p))
+    assert a == b and a != c
+
+
+def test_seeded_request_is_batch_independent(make_engine):
+    eng = make_engine(num_kv_blocks=128)
+    params = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.95, seed=3, ignore_eos=True)
+    (solo,) = eng.generate([PROMPT], params)
+    others = [[7, 8, 9], [100] * 20, [55, 66]]
+    batched = eng.generate([*others, PROMPT], [SamplingParams(max_tokens=10, temperature=1.0)] * 3 + [params])
+    assert batched[-1] == solo
+
+
+def test_top_k_one_is_greedy(make_engine):
+    eng = make_engine()
+    greedy = eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    topk1 = eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=9, ignore_eos=True))
+    assert greedy == topk1
+
+
+def test_top_p_and_top_k_restrict_the_support():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    top5 = set(torch.topk(logits[0], 5).indices.tolist())
+    probs = torch.softmax(logits[0], -1)
+    order = torch.argsort(probs, descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    for i in range(200):
+        (k,), _ = sample(logits, [SamplingParams(temperature=1.0, top_k=5)], [i], [0])
+        (p,), _ = sample(logits, [SamplingParams(temperature=1.0, top_p=0.5)], [i], [0])
+        assert k in top5 and p in nucleus
+
+
+def test_logprobs_are_of_the_chosen_tokens(make_engine):
+    eng = make_engine()
+    eng.add_request("r", PROMPT, SamplingParams(max_tokens=6, temperature=0, logprobs=True, ignore_eos=True))
+    outs = _collect(eng)
+    lps = [lp for o in outs for lp in o.new_logprobs]
+    assert len(lps) == 6 and all(lp <= 0 for lp in lps)
+
+
+def test_stop_token_ids_and_max_tokens_and_eos(make_engine):
+    eng = make_engine()
+    (free_run,) = eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    stop_at = free_run[4]
+    eng.add_request("r", PROMPT, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_at,)))
+    outs = _collect(eng)
+    got = [t for o in outs for t in o.new_token_ids]
+    assert got == free_run[: free_run.index(stop_at) + 1]
+    assert outs[-1].finish_reason is FinishReason.STOP
+    eng.add_request("m", PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    outs = _collect(eng)
+    assert outs[-1].finish_reason is FinishReason.LENGTH and outs[-1].num_output_tokens == 3
+    # EOS: treat the run's 3rd token as EOS by making it the engine's eos id
+    eng.eos_token_ids = frozenset({free_run[2]})
+    assert eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0))[0] == free_run[: free_run.index(free_run[2]) + 1]
+    assert eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0] == free_run
+
+
+@pytest.mark.slow
+def test_stop_strings_truncate_text_and_are_never_streamed(smollm_engine):
+    tok = smollm_engine.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": "Count from 1 to 10, separated by commas."}])
+    (free_run,) = smollm_engine.generate([ids], SamplingParams(max_tokens=40, temperature=0))
+    full = tok.decode(free_run)
+    assert ", 5" in full, full
+    smollm_engine.add_request("s", ids, SamplingParams(max_tokens=40, temperature=0, stop=(", 5",)))
+    outs = _collect(smollm_engine)
+    streamed = "".join(o.new_text for o in outs)
+    assert streamed == full[: full.index(", 5")]
+    assert outs[-1].finish_reason is FinishReason.STOP
+    smollm_engine.check_integrity()
+    assert smollm_engine.blocks.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_streamed_text_equals_decoded_tokens(smollm_engine):
+    tok = smollm_engine.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": "Écris une phrase en français avec des accents."}])
+    smollm_engine.add_request("t", ids, SamplingParams(max_tokens=30, temperature=0))
+    outs = _collect(smollm_engine)
+    assert "".join(o.new_text for o in outs) == tok.decode([t for o in outs for t in o.new_token_ids])

@@ -1,0 +1,163 @@
+"""Bad input gets an exception naming the field, before any KV block is taken; the engine
+keeps serving. Bad model files get a clear ModelLoadError."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from services.engine.errors import InvalidRequestError, ModelLoadError, UnsupportedArchitectureError
+from services.engine.loader import load_model
+from services.engine.sampling_params import SamplingParams
+
+OK = SamplingParams(max_tokens=4, temperature=0)
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("max_tokens", dict(max_tokens=0)),
+        ("max_tokens", dict(max_tokens=-3)),
+        ("temperature", dict(temperature=-0.1)),
+        ("temperature", dict(temperature=float("nan"))),
+        ("top_p", dict(top_p=0.0)),
+        ("top_p", dict(top_p=1.5)),
+        ("top_k", dict(top_k=-1)),
+        ("seed", dict(seed="abc")),
+        ("stop", dict(stop=5)),
+        ("stop", dict(stop=["ok", 3])),
+        ("stop", dict(stop=[""])),
+        ("stop_token_ids", dict(stop_token_ids="x")),
+    ],
+)
+def test_bad_sampling_params_name_the_field(field, kwargs):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.create(**kwargs)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("field", "prompt", "params"),
+    [
+        ("prompt", [], OK),
+        ("prompt", [1, 2, 999999], OK),
+        ("prompt", [1, -1], OK),
+        ("prompt", [1] * 512, OK),  # the tiny model's context is 512
+        ("max_tokens", [1] * 500, SamplingParams(max_tokens=20)),
+        ("max_tokens", [1, 2], SamplingParams(max_tokens=300)),  # needs more blocks than the pool
+        ("stop", [1, 2], SamplingParams(max_tokens=3, stop=("x",))),  # tiny model: no tokenizer
+    ],
+)
+def test_bad_requests_are_refused_and_others_continue(make_engine, field, prompt, params):
+    eng = make_engine(num_kv_blocks=64)
+    eng.add_request("good", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    eng.step()
+    used = eng.blocks.num_used_blocks
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request("bad", prompt, params)
+    assert e.value.field == field
+    assert eng.blocks.num_used_blocks == used
+    outs = []
+    while eng.has_unfinished:
+        outs += eng.step()
+    assert outs[-1].request_id == "good" and outs[-1].num_output_tokens == 6
+
+
+def test_duplicate_request_id_is_refused(make_engine):
+    eng = make_engine()
+    eng.add_request("a", [5, 6], OK)
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        eng.add_request("a", [5, 6], OK)
+    assert eng.abort("a") and not eng.abort("a")
+    (out,) = eng.step()
+    assert out.finish_reason == "abort"
+
+
+def test_abort_mid_decode_frees_blocks(make_engine):
+    eng = make_engine()
+    eng.add_request("a", list(range(3, 30)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.blocks.num_used_blocks > 0
+    eng.abort("a")
+    assert eng.blocks.num_used_blocks == 0
+    assert eng.step()[0].finished
+
+
+def test_missing_model_path():
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model("/nonexistent/model.gguf")
+
+
+def test_corrupt_and_truncated_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 7)
+    with pytest.raises(ModelLoadError, match="corrupt or truncated GGUF"):
+        load_model(bad)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match="GGUF"):
+        load_model(junk)
+
+
+@pytest.mark.slow
+def test_truncated_default_gguf(tmp_path):
+    from services.engine.loader import default_model_path
+
+    src = default_model_path()
+    cut = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        cut.write_bytes(f.read(src.stat().st_size // 2))
+    with pytest.raises(ModelLoadError, match="corrupt or truncated GGUF"):
+        load_model(cut)
+
+
+def test_truncated_safetensors(tiny_model_dir, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("llama-gqa-tied"), folder)
+    st = folder / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="corrupt or truncated safetensors"):
+        load_model(folder)
+
+
+def test_unsupported_architecture_is_named(tiny_model_dir, tmp_path):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_model_dir("llama-gqa-tied"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel"):
+        load_model(folder)
+
+
+def test_unsupported_rope_type_is_named(tiny_model_dir, tmp_path):
+    folder = tmp_path / "yarn"
+    shutil.copytree(tiny_model_dir("llama-gqa-tied"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg.pop("rope_parameters", None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="'yarn'"):
+        load_model(folder)
+
+
+def test_sharded_safetensors_folder(tiny_model_dir, tmp_path, make_engine):
+    from safetensors.torch import load_file, save_file
+
+    from services.engine.config import EngineConfig
+    from services.engine.engine import Engine
+
+    src = tiny_model_dir("llama-mha-untied")
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    shutil.copy(src / "config.json", folder / "config.json")
+    sd = load_file(str(src / "model.safetensors"))
+    names = sorted(sd)
+    save_file({n: sd[n] for n in names[: len(names) // 2]}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({n: sd[n] for n in names[len(names) // 2 :]}, str(folder / "model-00002-of-00002.safetensors"))
+    ref = make_engine("llama-mha-untied").generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0))
+    eng = Engine(load_model(folder), None, EngineConfig(num_kv_blocks=64, block_size=4))
+    assert eng.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0)) == ref
