@@ -38,8 +38,8 @@ class PrefillPart:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's k/v is written
     decode_idx: torch.Tensor | None  # [num_decode] flat indices of single-token sequences
-    decode_blocks: torch.Tensor | None  # [num_decode, max_blocks] padded block tables
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size]
+    decode_slots: torch.Tensor | None  # [num_decode, max_ctx] slots of each context, padded
+    decode_bias: torch.Tensor | None  # [num_decode, 1, max_ctx] 0 where attended, -inf at padding
     prefills: list[PrefillPart]
 
 
@@ -74,23 +74,26 @@ def build_metadata(
                 mask = mask.to(device)
             prefills.append(PrefillPart(offset, offset + s.num_new, slots.to(device), mask))
         offset += s.num_new
-    d_idx = d_blocks = d_mask = None
+    d_idx = d_slots = d_bias = None
     if decode_idx:
         width = max(len(t) for t in decode_tables)
-        d_blocks = torch.tensor([list(t) + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
+        blocks = torch.tensor([list(t) + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
+        max_len = max(decode_lens)
+        slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :max_len]
         lens = torch.tensor(decode_lens)
-        k_pos = torch.arange(width * block_size)[None, :]
+        k_pos = torch.arange(max_len)[None, :]
         mask = k_pos < lens[:, None]
         if sliding_window is not None:
             mask &= k_pos > (lens[:, None] - 1 - sliding_window)
+        bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
         d_idx = torch.tensor(decode_idx, dtype=torch.long, device=device)
-        d_blocks = d_blocks.to(device)
-        d_mask = mask[:, None, None, :].to(device)
+        d_slots = slots.contiguous().to(device)
+        d_bias = bias[:, None, :].to(device)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         decode_idx=d_idx,
-        decode_blocks=d_blocks,
-        decode_mask=d_mask,
+        decode_slots=d_slots,
+        decode_bias=d_bias,
         prefills=prefills,
     )
 
@@ -107,38 +110,46 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    """Reference backend: gather through block tables, then ``F.scaled_dot_product_attention``."""
+    """Reference backend: gather through block tables, then plain torch attention.
+
+    Prefill uses ``F.scaled_dot_product_attention``; decode uses a grouped matmul (the
+    ``heads / kv_heads`` query heads sharing a KV head form the query rows), which avoids
+    both repeating KV heads and the flash kernel's poor single-query performance.
+    """
 
     def forward(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
-        kc, vc = cache.k[layer], cache.v[layer]
+        kflat, vflat = cache.flat(layer)  # [kv_heads, slots, head_dim]
         if meta.decode_idx is not None and not meta.prefills and len(meta.decode_idx) == q.shape[0]:
-            return self._decode(q, kc, vc, meta)  # pure decode step: no scatter needed
+            return self._decode(q, kflat, vflat, meta)  # pure decode step: no scatter needed
         out = torch.empty_like(q)
         if meta.decode_idx is not None:
-            out[meta.decode_idx] = self._decode(q[meta.decode_idx], kc, vc, meta)
-        kflat = kc.view(-1, *kc.shape[2:])
-        vflat = vc.view(-1, *vc.shape[2:])
+            out[meta.decode_idx] = self._decode(q[meta.decode_idx], kflat, vflat, meta)
         for p in meta.prefills:
-            qs = q[p.q_start : p.q_end].transpose(0, 1)  # [heads, n, head_dim]
-            k = kflat[p.slots].transpose(0, 1)  # [kv_heads, ctx, head_dim]
-            v = vflat[p.slots].transpose(0, 1)
+            # NOTE: 4-D inputs: torch's CPU flash kernel only takes those (3-D falls back to the
+            # quadratic-memory math path, 5x slower at 2k tokens).
+            qs = q[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+            k = kflat.index_select(1, p.slots).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
+            v = vflat.index_select(1, p.slots).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qs, k, v, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
             )
-            out[p.q_start : p.q_end] = o.transpose(0, 1)
+            out[p.q_start : p.q_end] = o[0].transpose(0, 1)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        assert meta.decode_blocks is not None and meta.decode_mask is not None
-        b, width = meta.decode_blocks.shape
-        # [b, width, block_size, kv_heads, head_dim] -> [b, kv_heads, width * block_size, head_dim]
-        k = kc[meta.decode_blocks].view(b, width * kc.shape[1], *kc.shape[2:]).transpose(1, 2)
-        v = vc[meta.decode_blocks].view(b, width * vc.shape[1], *vc.shape[2:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, enable_gqa=True
-        )  # [b, heads, 1, head_dim]
-        return o.squeeze(2)
+    def _decode(q: torch.Tensor, kflat: torch.Tensor, vflat: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        assert meta.decode_slots is not None and meta.decode_bias is not None
+        b, heads, dim = q.shape
+        g = kflat.shape[0]
+        ctx = meta.decode_slots.shape[1]
+        flat_slots = meta.decode_slots.view(-1)
+        k = kflat.index_select(1, flat_slots).view(g, b, ctx, dim)  # [kv_heads, b, ctx, head_dim]
+        v = vflat.index_select(1, flat_slots).view(g, b, ctx, dim)
+        qg = q.view(b, g, heads // g, dim).transpose(0, 1)  # [kv_heads, b, group, head_dim]
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * dim**-0.5  # [kv_heads, b, group, ctx]
+        probs = torch.softmax(scores + meta.decode_bias, dim=-1)
+        o = torch.matmul(probs, v)  # [kv_heads, b, group, head_dim]
+        return o.transpose(0, 1).reshape(b, heads, dim)
 
 
 def _load_torch() -> AttentionBackend:

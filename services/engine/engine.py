@@ -75,7 +75,12 @@ class Engine:
         )
         dtype = DTYPES[config.dtype]
         self.model = LlamaModel.from_state_dict(
-            loaded.config, loaded.state_dict, max_positions=self.max_model_len, dtype=dtype, device=config.device
+            loaded.config,
+            loaded.state_dict,
+            max_positions=self.max_model_len,
+            dtype=dtype,
+            device=config.device,
+            prepack=config.prepack_weights and config.device == "cpu" and torch.backends.mkldnn.is_available(),
         )
         mc = loaded.config
         self.cache = KVCache(

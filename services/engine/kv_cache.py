@@ -8,8 +8,11 @@ import torch
 class KVCache:
     """Preallocated paged KV storage.
 
-    Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``t`` of a
-    request lives at slot ``block_table[t // block_size] * block_size + t % block_size``.
+    Layout per layer: ``[num_kv_heads, num_blocks, block_size, head_dim]``; token ``t`` of a
+    request lives at slot ``block_table[t // block_size] * block_size + t % block_size`` of
+    every head.
+    NOTE: heads outermost so that gathering a batch's context yields ``[kv_heads, ..., ctx,
+    head_dim]``, which attention consumes without another transpose copy.
     """
 
     def __init__(
@@ -22,7 +25,7 @@ class KVCache:
         dtype: torch.dtype,
         device: str,
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.block_size = block_size
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -30,25 +33,31 @@ class KVCache:
     @property
     def bytes_per_block(self) -> int:
         t = self.k[0]
-        return 2 * len(self.k) * t[0].numel() * t.element_size()
+        return 2 * len(self.k) * t[:, 0].numel() * t.element_size()
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim]; slots: [num_tokens] int64."""
         kc, vc = self.k[layer], self.v[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k)
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v)
+        kc.view(kc.shape[0], -1, kc.shape[3]).index_copy_(1, slots, k.transpose(0, 1))
+        vc.view(vc.shape[0], -1, vc.shape[3]).index_copy_(1, slots, v.transpose(0, 1))
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[num_kv_heads, num_blocks * block_size, head_dim]`` of one layer's k and v."""
+        kc, vc = self.k[layer], self.v[layer]
+        return kc.view(kc.shape[0], -1, kc.shape[3]), vc.view(vc.shape[0], -1, vc.shape[3])
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy out blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
         return torch.stack(
-            [torch.stack((k.index_select(0, idx), v.index_select(0, idx))) for k, v in zip(self.k, self.v)]
-        )
+            [torch.stack((k.index_select(1, idx), v.index_select(1, idx))) for k, v in zip(self.k, self.v)]
+        ).permute(0, 1, 3, 4, 2, 5).contiguous()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of ``read_blocks`` for ``data[:, :, i]`` -> block ``block_ids[i]``."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        data = data.to(device=self.k[0].device, dtype=self.k[0].dtype)
+        # [layers, 2, n, block_size, kv_heads, head_dim] -> [layers, 2, kv_heads, n, block_size, head_dim]
+        data = data.to(device=self.k[0].device, dtype=self.k[0].dtype).permute(0, 1, 4, 2, 3, 5)
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            k.index_copy_(0, idx, data[layer, 0])
-            v.index_copy_(0, idx, data[layer, 1])
+            k.index_copy_(1, idx, data[layer, 0])
+            v.index_copy_(1, idx, data[layer, 1])

@@ -1,0 +1,121 @@
+"""The ``pdserve`` command.
+
+Sub-commands:
+  generate   run one prompt (or chat message) on a single-process engine, no Ray; streams the
+             text, then prints TTFT, mean ITL and tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+
+from services.engine.errors import EngineError, InvalidRequestError, ModelLoadError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=1024, help="KV blocks in the pool")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="per-step token budget")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate from one prompt in this process (no Ray)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw text to complete")
+    src.add_argument("--chat", help="a user message, sent through the model's chat template")
+    gen.add_argument("--system", default=None, help="system message for --chat")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    _add_engine_args(gen)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services.engine.config import EngineConfig
+    from services.engine.engine import Engine
+    from services.engine.sampling_params import SamplingParams
+
+    params = SamplingParams.create(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    t0 = time.perf_counter()
+    engine = Engine.from_path(
+        args.model,
+        EngineConfig(
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            threads=args.threads,
+            dtype=args.dtype,
+        ),
+    )
+    load_s = time.perf_counter() - t0
+    tok = engine.tokenizer
+    if tok is None:
+        raise ModelLoadError("this model has no tokenizer; pdserve generate needs one")
+    if args.chat is not None:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.chat}
+        ]
+        prompt = tok.encode_chat(msgs)
+    else:
+        prompt = tok.encode(args.prompt)
+    engine.add_request(uuid.uuid4().hex, prompt, params)
+    final = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            if out.finished:
+                final = out
+    sys.stdout.write("\n")
+    assert final is not None
+    itls = final.itls or []
+    mean_itl = sum(itls) / len(itls) if itls else 0.0
+    decode_s = sum(itls)
+    tps = len(itls) / decode_s if decode_s > 0 else 0.0
+    print(
+        f"[{engine.model_id}] prompt {final.num_prompt_tokens} tokens, output {final.num_output_tokens} tokens "
+        f"({final.finish_reason}); TTFT {1000 * (final.ttft_s or 0):.1f} ms, mean ITL {1000 * mean_itl:.1f} ms, "
+        f"{tps:.1f} tokens/s; model load {load_s:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except InvalidRequestError as e:
+        print(f"pdserve: invalid request: {e}", file=sys.stderr)
+        return 2
+    except EngineError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
