@@ -22,11 +22,11 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from services.engine.config import EngineConfig  # noqa: E402
-from services.engine.engine import Engine  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.sampling_params import SamplingParams
 
 
 def prompts_of(n_tokens: int, count: int, vocab: int, seed: int) -> list[list[int]]:
@@ -50,7 +50,9 @@ def measure_bandwidth(nbytes: int) -> float:
 
 def engine_ttft(eng: Engine, prompt: list[int]) -> float:
     eng.blocks.reset_prefix_cache()
-    eng.add_request(f"ttft-{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0))
+    eng.add_request(
+        f"ttft-{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0)
+    )
     t = time.perf_counter()
     while eng.has_unfinished:
         eng.step()
@@ -67,7 +69,10 @@ def engine_decode(eng: Engine, prompts: list[list[int]], new_tokens: int) -> tup
     n_out = 0
     start = time.perf_counter()
     while eng.has_unfinished:
-        decoding = all(r.num_computed >= r.num_prompt for r in eng.scheduler.running) and not eng.scheduler.waiting
+        decoding = (
+            all(r.num_computed >= r.num_prompt for r in eng.scheduler.running)
+            and not eng.scheduler.waiting
+        )
         t = time.perf_counter()
         outs = eng.step()
         dt = time.perf_counter() - t
@@ -86,7 +91,14 @@ def hf_times(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, f
     def run(n: int) -> float:
         t = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return time.perf_counter() - t
 
     t1 = run(1)
@@ -96,7 +108,9 @@ def hf_times(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, f
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer tokens (smoke run)")
+    ap.add_argument(
+        "--quick", action="store_true", help="shorter prompts and fewer tokens (smoke run)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -105,7 +119,9 @@ def main() -> None:
     new_tokens = 8 if args.quick else 32
     ctx = 128
 
-    eng = Engine.from_path(None, EngineConfig(num_kv_blocks=4096, max_num_batched_tokens=2048, max_num_seqs=64))
+    eng = Engine.from_path(
+        None, EngineConfig(num_kv_blocks=4096, max_num_batched_tokens=2048, max_num_seqs=64)
+    )
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(_cache_folder()), dtype=torch.float32).eval()
@@ -118,8 +134,13 @@ def main() -> None:
         p = prompts_of(n, 1, vocab, n)
         ours = min(engine_ttft(eng, p[0]) for _ in range(2))
         ref, _ = hf_times(hf, p, 1)
-        rows.append({"prompt_tokens": n, "pdserve_s": ours, "hf_s": ref, "hf_over_pdserve": ref / ours})
-        print(f"TTFT {n:5d} tokens: pdserve {ours * 1000:8.1f} ms   HF {ref * 1000:8.1f} ms   HF/pdserve {ref / ours:5.2f}x", flush=True)
+        rows.append(
+            {"prompt_tokens": n, "pdserve_s": ours, "hf_s": ref, "hf_over_pdserve": ref / ours}
+        )
+        print(
+            f"TTFT {n:5d} tokens: pdserve {ours * 1000:8.1f} ms   HF {ref * 1000:8.1f} ms   HF/pdserve {ref / ours:5.2f}x",
+            flush=True,
+        )
     results["ttft"] = rows
 
     bw = measure_bandwidth(eng.model.weight_bytes)
@@ -127,17 +148,30 @@ def main() -> None:
     results["bandwidth_gbs"] = bw
     results["weight_bytes"] = eng.model.weight_bytes
     results["decode_floor_s"] = floor
-    print(f"decode floor: {eng.model.weight_bytes / 1e6:.0f} MB of weights / {bw:.1f} GB/s = {floor * 1000:.1f} ms", flush=True)
+    print(
+        f"decode floor: {eng.model.weight_bytes / 1e6:.0f} MB of weights / {bw:.1f} GB/s = {floor * 1000:.1f} ms",
+        flush=True,
+    )
 
     rows = []
     for b in batches:
         ps = prompts_of(ctx, b, vocab, 1000 + b)
         itl, _ = engine_decode(eng, ps, new_tokens)
         _, ref_itl = hf_times(hf, ps, new_tokens)
-        rows.append({"batch": b, "pdserve_itl_s": itl, "hf_itl_s": ref_itl, "hf_over_pdserve": ref_itl / itl,
-                     "itl_over_floor": itl / floor})
-        print(f"ITL batch {b:3d} (context {ctx}): pdserve {itl * 1000:7.1f} ms   HF {ref_itl * 1000:7.1f} ms   "
-              f"HF/pdserve {ref_itl / itl:5.2f}x   pdserve/floor {itl / floor:4.2f}x", flush=True)
+        rows.append(
+            {
+                "batch": b,
+                "pdserve_itl_s": itl,
+                "hf_itl_s": ref_itl,
+                "hf_over_pdserve": ref_itl / itl,
+                "itl_over_floor": itl / floor,
+            }
+        )
+        print(
+            f"ITL batch {b:3d} (context {ctx}): pdserve {itl * 1000:7.1f} ms   HF {ref_itl * 1000:7.1f} ms   "
+            f"HF/pdserve {ref_itl / itl:5.2f}x   pdserve/floor {itl / floor:4.2f}x",
+            flush=True,
+        )
     results["itl"] = rows
 
     # Throughput: output tokens/s over whole requests (prefill included), concurrent vs alone.
@@ -146,7 +180,10 @@ def main() -> None:
     tps = {}
     for b in (1, top):
         _, tps[b] = engine_decode(eng, prompts_of(tp_prompt, b, vocab, 2000 + b), tp_out)
-        print(f"throughput {b:3d} concurrent ({tp_prompt}-token prompts, {tp_out} output tokens): {tps[b]:7.1f} tok/s", flush=True)
+        print(
+            f"throughput {b:3d} concurrent ({tp_prompt}-token prompts, {tp_out} output tokens): {tps[b]:7.1f} tok/s",
+            flush=True,
+        )
     results["throughput_tokens_per_s"] = tps
     results["throughput_ratio"] = tps[top] / tps[1]
     print(f"output tokens/s at {top} concurrent / alone: {tps[top] / tps[1]:.1f}x", flush=True)

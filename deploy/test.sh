@@ -8,4 +8,5 @@ cd "$root"
 # as another process wants a core.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
 .venv/bin/ruff check services kvtransfer tests bench
+.venv/bin/ruff format --check --quiet services kvtransfer tests bench
 exec .venv/bin/python -m pytest "$@"

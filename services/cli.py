@@ -17,7 +17,11 @@ from services.engine.errors import EngineError, InvalidRequestError, ModelLoadEr
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct)",
+    )
     g.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -26,7 +30,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from one prompt in this process (no Ray)")
     src = gen.add_mutually_exclusive_group(required=True)

@@ -56,7 +56,9 @@ def build_metadata(
     for s in spans:
         end = s.start + s.num_new
         table = s.block_table
-        slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(s.start, end))
+        slot_mapping.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(s.start, end)
+        )
         if s.num_new == 1:
             decode_idx.append(offset)
             decode_tables.append(table[: -(-end // block_size)])
@@ -77,7 +79,9 @@ def build_metadata(
     d_idx = d_slots = d_bias = None
     if decode_idx:
         width = max(len(t) for t in decode_tables)
-        blocks = torch.tensor([list(t) + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
+        blocks = torch.tensor(
+            [list(t) + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long
+        )
         max_len = max(decode_lens)
         slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :max_len]
         lens = torch.tensor(decode_lens)
@@ -117,7 +121,9 @@ class TorchAttention:
     both repeating KV heads and the flash kernel's poor single-query performance.
     """
 
-    def forward(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
+    ) -> torch.Tensor:
         kflat, vflat = cache.flat(layer)  # [kv_heads, slots, head_dim]
         if meta.decode_idx is not None and not meta.prefills and len(meta.decode_idx) == q.shape[0]:
             return self._decode(q, kflat, vflat, meta)  # pure decode step: no scatter needed
@@ -137,7 +143,9 @@ class TorchAttention:
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, kflat: torch.Tensor, vflat: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(
+        q: torch.Tensor, kflat: torch.Tensor, vflat: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         assert meta.decode_slots is not None and meta.decode_bias is not None
         b, heads, dim = q.shape
         g = kflat.shape[0]

@@ -110,7 +110,9 @@ class BlockManager:
         """
         table = self._tables.get(request_id)
         if table is not None and prefix_blocks:
-            raise ValueError(f"request {request_id!r} already has blocks; prefix sharing is only at start")
+            raise ValueError(
+                f"request {request_id!r} already has blocks; prefix sharing is only at start"
+            )
         have = len(table) if table is not None else len(prefix_blocks)
         need = self.blocks_needed(num_tokens) - have
         # Shared blocks with ref 0 sit in the free queue; touching them takes them out of it.

@@ -178,10 +178,18 @@ class EngineConfig:
     kv_hold_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "threads"):
+        for name in (
+            "block_size",
+            "num_kv_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "threads",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
         if self.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"EngineConfig.role must be both, prefill or decode, got {self.role!r}")
+            raise ValueError(
+                f"EngineConfig.role must be both, prefill or decode, got {self.role!r}"
+            )
         if not math.isfinite(self.kv_hold_timeout_s) or self.kv_hold_timeout_s <= 0:
             raise ValueError("EngineConfig.kv_hold_timeout_s must be > 0")

@@ -36,7 +36,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.request import FinishReason, Request, RequestOutput, Status
 from services.engine.sampler import sample
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledSpan, Scheduler
+from services.engine.scheduler import Scheduler
 from services.engine.stop import StopChecker
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -61,7 +61,9 @@ class EngineStats:
 class Engine:
     """Llama-family engine over a paged KV cache. See the module docstring for the lifecycle."""
 
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
+    def __init__(
+        self, loaded: LoadedModel, tokenizer: Tokenizer | None, config: EngineConfig
+    ) -> None:
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.dtype!r}; choose one of: {', '.join(DTYPES)}")
         torch.set_num_threads(config.threads)
@@ -80,21 +82,40 @@ class Engine:
             max_positions=self.max_model_len,
             dtype=dtype,
             device=config.device,
-            prepack=config.prepack_weights and config.device == "cpu" and torch.backends.mkldnn.is_available(),
+            prepack=config.prepack_weights
+            and config.device == "cpu"
+            and torch.backends.mkldnn.is_available(),
         )
         mc = loaded.config
         self.cache = KVCache(
-            mc.num_layers, config.num_kv_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, config.device
+            mc.num_layers,
+            config.num_kv_blocks,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype,
+            config.device,
         )
         self.blocks = BlockManager(
-            config.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            config.num_kv_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(
-            self.model, self.cache, self.blocks, get_attention_backend(config.attention_backend), config.device
+            self.model,
+            self.cache,
+            self.blocks,
+            get_attention_backend(config.attention_backend),
+            config.device,
         )
         self.fingerprint = LayoutFingerprint(
-            self.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype
+            self.model_id,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            config.block_size,
+            config.dtype,
         )
         eos = set(mc.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -108,10 +129,16 @@ class Engine:
         self._num_steps = 0
 
     @classmethod
-    def from_path(cls, path: str | Path | None = None, config: EngineConfig | None = None) -> Engine:
+    def from_path(
+        cls, path: str | Path | None = None, config: EngineConfig | None = None
+    ) -> Engine:
         """Load a GGUF file or HF folder (None: the embedded default) and build an engine."""
         loaded = load_model(path)
-        tok = Tokenizer.from_folder(loaded.folder) if (loaded.folder / "tokenizer.json").is_file() else None
+        tok = (
+            Tokenizer.from_folder(loaded.folder)
+            if (loaded.folder / "tokenizer.json").is_file()
+            else None
+        )
         return cls(loaded, tok, config or EngineConfig())
 
     # ---- requests ------------------------------------------------------------------------
@@ -147,10 +174,14 @@ class Engine:
         prefill_only = prefill_only or self.config.role == "prefill"
         if kv_handle is not None:
             if self.config.role == "prefill":
-                raise InvalidRequestError("kv_handle", "a prefill-only engine does not accept KV handles")
+                raise InvalidRequestError(
+                    "kv_handle", "a prefill-only engine does not accept KV handles"
+                )
             self._validate_handle(kv_handle, prompt)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        req = Request(request_id, prompt, params, seed, prefill_only=prefill_only, kv_import=kv_handle)
+        req = Request(
+            request_id, prompt, params, seed, prefill_only=prefill_only, kv_import=kv_handle
+        )
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
         if kv_handle is not None:
@@ -164,8 +195,13 @@ class Engine:
                 req.sent_text = len(req.text)
             req.timings.last_token = req.timings.arrival
         req.block_hashes = hash_blocks(req.token_ids, self.config.block_size)
-        if kv_handle is not None and tuple(req.block_hashes[: len(kv_handle.block_hashes)]) != kv_handle.block_hashes:
-            raise InvalidRequestError("kv_handle", "block hashes do not match the handle's token ids")
+        if (
+            kv_handle is not None
+            and tuple(req.block_hashes[: len(kv_handle.block_hashes)]) != kv_handle.block_hashes
+        ):
+            raise InvalidRequestError(
+                "kv_handle", "block hashes do not match the handle's token ids"
+            )
         self._requests[request_id] = req
         self.scheduler.add(req)
 
@@ -221,7 +257,9 @@ class Engine:
         for req, new_blocks, first in sched.imports:
             assert req.kv_import is not None
             handle = req.kv_import
-            self.cache.write_blocks(new_blocks, handle.blocks[:, :, first : first + len(new_blocks)])
+            self.cache.write_blocks(
+                new_blocks, handle.blocks[:, :, first : first + len(new_blocks)]
+            )
             self._prefix_hit_tokens += first * self.config.block_size
             req.kv_import = None  # NOTE: drop the copy now; a later preemption recomputes
         if not sched.spans:
@@ -234,7 +272,9 @@ class Engine:
                 if s.request.num_preemptions == 0 and s.request.sent_tokens == 0:
                     self._prefix_hit_tokens += s.start
             if s.start < s.request.num_prompt:
-                self._prompt_tokens_computed += min(s.start + s.num_new, s.request.num_prompt) - s.start
+                self._prompt_tokens_computed += (
+                    min(s.start + s.num_new, s.request.num_prompt) - s.start
+                )
         logits = self.runner.run(sched.spans)
         sampling = [s for s in sched.spans if s.samples]
         tokens, logprobs = sample(
@@ -246,14 +286,20 @@ class Engine:
         bs = self.config.block_size
         for s in sched.spans:
             s.request.num_computed = s.start + s.num_new
-            self.blocks.cache_blocks(s.request.request_id, s.request.block_hashes[: s.request.num_computed // bs])
+            self.blocks.cache_blocks(
+                s.request.request_id, s.request.block_hashes[: s.request.num_computed // bs]
+            )
         now = time.perf_counter()
         for row, s in enumerate(sampling):
-            self._append_token(s.request, tokens[row], None if logprobs is None else logprobs[row], now)
+            self._append_token(
+                s.request, tokens[row], None if logprobs is None else logprobs[row], now
+            )
             outputs.append(self._output(s.request))
         return outputs
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[list[int]]:
         """Run ``prompts`` to completion together; returns each one's output token ids."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         ids = [f"gen-{secrets.token_hex(6)}-{i}" for i in range(len(prompts))]
@@ -290,11 +336,14 @@ class Engine:
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
         vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt
+        ):
             raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
-                "prompt", f"has {len(prompt)} tokens; the model's context is {self.max_model_len} tokens"
+                "prompt",
+                f"has {len(prompt)} tokens; the model's context is {self.max_model_len} tokens",
             )
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
@@ -305,7 +354,8 @@ class Engine:
         need = self.blocks.blocks_needed(len(prompt) + params.max_tokens)
         if need > self.blocks.num_blocks:
             raise InvalidRequestError(
-                "max_tokens", f"the request needs {need} KV blocks; this engine has {self.blocks.num_blocks}"
+                "max_tokens",
+                f"the request needs {need} KV blocks; this engine has {self.blocks.num_blocks}",
             )
 
     def _validate_handle(self, handle: KVHandle, prompt: list[int]) -> None:
@@ -314,11 +364,22 @@ class Engine:
                 f"KV layout mismatch for {handle.request_id!r}: {handle.fingerprint.describe_mismatch(self.fingerprint)}"
             )
         if handle.num_computed != len(prompt) or list(handle.token_ids[:-1]) != prompt:
-            raise InvalidRequestError("kv_handle", "the handle's prompt differs from the request's prompt")
+            raise InvalidRequestError(
+                "kv_handle", "the handle's prompt differs from the request's prompt"
+            )
         mc = self.model_config
-        want = (mc.num_layers, 2, self.blocks.blocks_needed(handle.num_computed), self.config.block_size, mc.num_kv_heads, mc.head_dim)
+        want = (
+            mc.num_layers,
+            2,
+            self.blocks.blocks_needed(handle.num_computed),
+            self.config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+        )
         if tuple(handle.blocks.shape) != want:
-            raise InvalidRequestError("kv_handle", f"blocks have shape {tuple(handle.blocks.shape)}, expected {want}")
+            raise InvalidRequestError(
+                "kv_handle", f"blocks have shape {tuple(handle.blocks.shape)}, expected {want}"
+            )
 
     def _held(self, request_id: str) -> Request:
         req = self._requests.get(request_id)

@@ -49,9 +49,16 @@ class KVCache:
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy out blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        return torch.stack(
-            [torch.stack((k.index_select(1, idx), v.index_select(1, idx))) for k, v in zip(self.k, self.v)]
-        ).permute(0, 1, 3, 4, 2, 5).contiguous()
+        return (
+            torch.stack(
+                [
+                    torch.stack((k.index_select(1, idx), v.index_select(1, idx)))
+                    for k, v in zip(self.k, self.v)
+                ]
+            )
+            .permute(0, 1, 3, 4, 2, 5)
+            .contiguous()
+        )
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of ``read_blocks`` for ``data[:, :, i]`` -> block ``block_ids[i]``."""

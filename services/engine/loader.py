@@ -142,11 +142,13 @@ def read_gguf_metadata(path: Path):  # -> (GGUFReader, dict[str, object])
         reader = gguf.GGUFReader(str(path))
         meta = {k: f.contents() for k, f in reader.fields.items()}
     except Exception as e:  # gguf raises bare ValueError/IndexError/struct.error on bad bytes
-        raise ModelLoadError(f"corrupt or truncated GGUF file {path}: {type(e).__name__}: {e}") from None
+        raise ModelLoadError(
+            f"corrupt or truncated GGUF file {path}: {type(e).__name__}: {e}"
+        ) from None
     return reader, meta
 
 
-def gguf_model_config(meta: dict[str, object]) -> ModelConfig:
+def gguf_model_config(meta: dict[str, object], embed_rows: int = 0) -> ModelConfig:
     arch = str(meta.get("general.architecture", "<missing>"))
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitectureError(arch, list(GGUF_ARCHITECTURES))
@@ -163,7 +165,7 @@ def gguf_model_config(meta: dict[str, object]) -> ModelConfig:
     eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     cfg: dict[str, object] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(tokens)),  # type: ignore[arg-type]
+        "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(tokens) or embed_rows),  # type: ignore[arg-type]
         "hidden_size": hidden,
         "intermediate_size": int(m("feed_forward_length")),
         "num_hidden_layers": int(m("block_count")),
@@ -178,7 +180,10 @@ def gguf_model_config(meta: dict[str, object]) -> ModelConfig:
     }
     scaling_type = meta.get(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
-        cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": float(m("rope.scaling.factor", 1.0))}
+        cfg["rope_scaling"] = {
+            "rope_type": scaling_type,
+            "factor": float(m("rope.scaling.factor", 1.0)),
+        }
     return ModelConfig.from_hf_dict(cfg)
 
 
@@ -189,7 +194,8 @@ def _convert_gguf(path: Path, folder: Path) -> None:
     from services.engine.tokenizer import tokenizer_files_from_gguf
 
     reader, meta = read_gguf_metadata(path)
-    config = gguf_model_config(meta)
+    embed = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    config = gguf_model_config(meta, int(embed[0].shape[1]) if embed else 0)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
@@ -198,7 +204,9 @@ def _convert_gguf(path: Path, folder: Path) -> None:
         try:
             w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from None
+            raise ModelLoadError(
+                f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}"
+            ) from None
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, config.num_heads if "q_proj" in name else config.num_kv_heads)
         tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
@@ -210,7 +218,8 @@ def _convert_gguf(path: Path, folder: Path) -> None:
     try:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
-        tokenizer_files_from_gguf(meta, tmp)
+        if "tokenizer.ggml.tokens" in meta:  # weights-only GGUFs run on token ids
+            tokenizer_files_from_gguf(meta, tmp)
         if folder.exists():
             shutil.rmtree(folder)
         tmp.rename(folder)

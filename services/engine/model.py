@@ -111,7 +111,9 @@ class LlamaModel:
             if t is None:
                 raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
             if shape is not None and tuple(t.shape) != shape:
-                raise ModelLoadError(f"weight {name!r} has shape {tuple(t.shape)}, expected {shape}")
+                raise ModelLoadError(
+                    f"weight {name!r} has shape {tuple(t.shape)}, expected {shape}"
+                )
             return t.to(dtype=dtype, device=device)
 
         def opt(name: str) -> torch.Tensor | None:
@@ -169,7 +171,16 @@ class LlamaModel:
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
         head_w = embed if tied else get("lm_head.weight", (cfg.vocab_size, h))
         lm_head = Linear(head_w, None, prepack)  # NOTE: its own layout even when tied (speed)
-        return cls(cfg, embed, layers, get("model.norm.weight", (h,)), lm_head, max_positions, dtype, device)
+        return cls(
+            cfg,
+            embed,
+            layers,
+            get("model.norm.weight", (h,)),
+            lm_head,
+            max_positions,
+            dtype,
+            device,
+        )
 
     @torch.inference_mode()
     def forward(

@@ -15,7 +15,12 @@ from services.engine.scheduler import ScheduledSpan
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, cache: KVCache, blocks: BlockManager, attention: AttentionBackend, device: str
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        blocks: BlockManager,
+        attention: AttentionBackend,
+        device: str,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -33,7 +38,9 @@ class ModelRunner:
             end = s.start + s.num_new
             ids.extend(s.request.token_ids[s.start : end])
             positions.extend(range(s.start, end))
-            seq_spans.append(SeqSpan(s.start, s.num_new, self.blocks.block_table(s.request.request_id)))
+            seq_spans.append(
+                SeqSpan(s.start, s.num_new, self.blocks.block_table(s.request.request_id))
+            )
             if s.samples:
                 logits_idx.append(len(ids) - 1)
         meta = build_metadata(

@@ -21,7 +21,9 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
         high_wavelen = old_ctx / rs.high_freq_factor
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
-        smooth = (old_ctx / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smooth = (old_ctx / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
@@ -31,7 +33,9 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
 class Rotary:
     """cos/sin tables for every position up to ``max_positions``, computed once."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: str
+    ) -> None:
         inv = inv_frequencies(cfg)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # [max_positions, head_dim / 2]

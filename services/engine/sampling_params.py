@@ -33,25 +33,43 @@ class SamplingParams:
         """Raise InvalidRequestError naming the first bad field."""
         from services.engine.errors import InvalidRequestError
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < 1
+        ):
+            raise InvalidRequestError(
+                "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"
+            )
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError("temperature", f"must be a number >= 0, got {self.temperature!r}")
+            raise InvalidRequestError(
+                "temperature", f"must be a number >= 0, got {self.temperature!r}"
+            )
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError(
+                "top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}"
+            )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequestError("stop", f"must be a string or a list of non-empty strings, got {self.stop!r}")
+            raise InvalidRequestError(
+                "stop", f"must be a string or a list of non-empty strings, got {self.stop!r}"
+            )
         if not isinstance(self.stop_token_ids, tuple) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
-            raise InvalidRequestError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+            raise InvalidRequestError(
+                "stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}"
+            )
 
     @classmethod
-    def create(cls, stop: object = None, stop_token_ids: object = None, **kwargs: object) -> SamplingParams:
+    def create(
+        cls, stop: object = None, stop_token_ids: object = None, **kwargs: object
+    ) -> SamplingParams:
         """Build and validate from loose edge values (``stop`` may be a str or a list of str)."""
         from services.engine.errors import InvalidRequestError
 
@@ -62,7 +80,9 @@ class SamplingParams:
         elif isinstance(stop, list | tuple):
             stop_t = tuple(stop)  # type: ignore[arg-type]
         else:
-            raise InvalidRequestError("stop", f"must be a string or a list of strings, got {type(stop).__name__}")
+            raise InvalidRequestError(
+                "stop", f"must be a string or a list of strings, got {type(stop).__name__}"
+            )
         if stop_token_ids is None:
             ids_t: tuple[int, ...] = ()
         elif isinstance(stop_token_ids, list | tuple):

@@ -9,7 +9,9 @@ from services.engine.request import FinishReason, Request
 
 class StopChecker:
     @staticmethod
-    def check(req: Request, token: int, eos_ids: Set[int], max_model_len: int) -> FinishReason | None:
+    def check(
+        req: Request, token: int, eos_ids: Set[int], max_model_len: int
+    ) -> FinishReason | None:
         """Called after ``token`` was appended (and detokenized); truncates ``req.text`` at a
         stop string. Returns the finish reason, or None to continue."""
         p = req.params

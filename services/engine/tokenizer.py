@@ -40,7 +40,9 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: gpt2, smollm, llama-bpe, qwen2")
+    raise ModelLoadError(
+        f"unsupported GGUF pre-tokenizer {pre!r}; supported: gpt2, smollm, llama-bpe, qwen2"
+    )
 
 
 def tokenizer_files_from_gguf(meta: dict[str, Any], folder: Path) -> None:
@@ -54,11 +56,17 @@ def tokenizer_files_from_gguf(meta: dict[str, Any], folder: Path) -> None:
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    tok = HFTokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+    )
     tok.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "gpt2")))
     tok.decoder = decoders.ByteLevel()
     # GGUF token types: 3 = control (special), 4 = user-defined (added, not special).
-    added = [AddedToken(tokens[i], special=types[i] == 3, normalized=False) for i in range(len(tokens)) if types[i] in (3, 4)]
+    added = [
+        AddedToken(tokens[i], special=types[i] == 3, normalized=False)
+        for i in range(len(tokens))
+        if types[i] in (3, 4)
+    ]
     tok.add_tokens(added)
     tok.save(str(folder / "tokenizer.json"))
 
@@ -132,7 +140,9 @@ class Tokenizer:
             raise InvalidRequestError("messages", "this model has no chat template; send a prompt")
         if not messages:
             raise InvalidRequestError("messages", "must contain at least one message")
-        msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+        msgs = [
+            m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages
+        ]
         if self._compiled_template is None:
             self._compiled_template = _jinja_env().from_string(self.chat_template)
         return self._compiled_template.render(
@@ -159,8 +169,12 @@ def _jinja_env() -> Any:
     def raise_exception(message: str) -> None:
         raise InvalidRequestError("messages", message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
+        x, indent=indent, ensure_ascii=False
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env

@@ -15,8 +15,12 @@ from services.engine.engine import Engine
 from services.engine.loader import load_model
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama-gqa-tied": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    "llama-mha-untied": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "llama-gqa-tied": dict(
+        arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True
+    ),
+    "llama-mha-untied": dict(
+        arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False
+    ),
     "llama3-rope-scaled": dict(
         arch="llama",
         num_attention_heads=4,
@@ -30,8 +34,12 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 64,
         },
     ),
-    "qwen2-bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-    "mistral-window": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=24),
+    "qwen2-bias": dict(
+        arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False
+    ),
+    "mistral-window": dict(
+        arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=24
+    ),
 }
 
 
@@ -68,7 +76,11 @@ def make_tiny_model(path: Path, name: str, seed: int = 0) -> Path:
     if arch == "qwen2":  # biases start at zero; make them matter
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     return path
@@ -118,11 +130,15 @@ def smollm_hf() -> Any:
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     return tok, model.eval()
 
 
-def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+def hf_greedy(
+    model: Any, prompt: list[int], max_new_tokens: int, eos: int | None = None
+) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(

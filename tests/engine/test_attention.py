@@ -82,7 +82,9 @@ def test_pure_decode_batch_matches_dense():
     q = torch.randn(len(lens), HEADS, HEAD_DIM)
     out = get_attention_backend("torch").forward(q, cache, 0, meta)
     for i, n in enumerate(lens):
-        torch.testing.assert_close(out[i : i + 1], dense_attention(q[i : i + 1], ks[i], vs[i], n - 1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out[i : i + 1], dense_attention(q[i : i + 1], ks[i], vs[i], n - 1), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_backend_registry_names_valid_choices():

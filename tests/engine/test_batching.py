@@ -37,7 +37,9 @@ def test_requests_join_and_leave_between_steps(make_engine):
     while pending or eng.has_unfinished:
         if pending:  # one new request joins every step while others are mid-decode
             i, p = pending.pop(0)
-            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=5 + 3 * i, temperature=0, ignore_eos=True))
+            eng.add_request(
+                f"r{i}", p, SamplingParams(max_tokens=5 + 3 * i, temperature=0, ignore_eos=True)
+            )
         for o in eng.step():
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
     for i in range(len(prompts)):
@@ -90,7 +92,10 @@ def test_preemption_by_recompute_keeps_tokens(make_engine):
 
 def test_preemption_with_seeded_sampling_keeps_tokens(make_engine):
     prompts = _prompts(6, seed=4)
-    params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+        for i in range(6)
+    ]
     eng = make_engine(num_kv_blocks=128)
     solo = [eng.generate([p], sp)[0] for p, sp in zip(prompts, params)]
     small = make_engine(num_kv_blocks=24, enable_prefix_caching=False)

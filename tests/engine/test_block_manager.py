@@ -12,7 +12,10 @@ from services.engine.block_manager import BlockManager
 def bm():
     events: list[tuple[str, bytes]] = []
     m = BlockManager(
-        6, 4, on_cached=lambda h: events.append(("cached", h)), on_evicted=lambda h: events.append(("evicted", h))
+        6,
+        4,
+        on_cached=lambda h: events.append(("cached", h)),
+        on_evicted=lambda h: events.append(("evicted", h)),
     )
     m.events = events  # type: ignore[attr-defined]
     yield m

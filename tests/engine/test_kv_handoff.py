@@ -20,10 +20,15 @@ def _run(eng):
 
 
 @pytest.mark.parametrize("prompt_len", [1, 4, 13, 40])
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
-    SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=7, ignore_eos=True, logprobs=True),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+        SamplingParams(
+            max_tokens=16, temperature=0.8, top_k=20, seed=7, ignore_eos=True, logprobs=True
+        ),
+    ],
+)
 def test_handle_continued_on_decode_engine_gives_solo_tokens(make_engine, prompt_len, params):
     prompt = [random.Random(prompt_len).randrange(3, 256) for _ in range(prompt_len)]
     (solo,) = make_engine().generate([prompt], params)
@@ -72,10 +77,14 @@ def test_mismatched_layout_is_refused(make_engine):
     with pytest.raises(LayoutMismatchError, match="num_kv_heads"):
         other.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4), kv_handle=handle)
     with pytest.raises(InvalidRequestError, match="kv_handle"):
-        make_engine(role="decode").add_request("r", [5, 6, 8], SamplingParams(max_tokens=4), kv_handle=handle)
+        make_engine(role="decode").add_request(
+            "r", [5, 6, 8], SamplingParams(max_tokens=4), kv_handle=handle
+        )
     forged = dataclasses.replace(handle, block_hashes=(b"x" * 16,))
     with pytest.raises(InvalidRequestError, match="kv_handle"):
-        make_engine(role="decode").add_request("r", [5, 6, 7], SamplingParams(max_tokens=4), kv_handle=forged)
+        make_engine(role="decode").add_request(
+            "r", [5, 6, 7], SamplingParams(max_tokens=4), kv_handle=forged
+        )
     assert dec.blocks.num_used_blocks == 0
 
 

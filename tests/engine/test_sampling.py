@@ -33,14 +33,18 @@ def test_seeded_request_is_batch_independent(make_engine):
     params = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.95, seed=3, ignore_eos=True)
     (solo,) = eng.generate([PROMPT], params)
     others = [[7, 8, 9], [100] * 20, [55, 66]]
-    batched = eng.generate([*others, PROMPT], [SamplingParams(max_tokens=10, temperature=1.0)] * 3 + [params])
+    batched = eng.generate(
+        [*others, PROMPT], [SamplingParams(max_tokens=10, temperature=1.0)] * 3 + [params]
+    )
     assert batched[-1] == solo
 
 
 def test_top_k_one_is_greedy(make_engine):
     eng = make_engine()
     greedy = eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    topk1 = eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=9, ignore_eos=True))
+    topk1 = eng.generate(
+        [PROMPT], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=9, ignore_eos=True)
+    )
     assert greedy == topk1
 
 
@@ -59,7 +63,9 @@ def test_top_p_and_top_k_restrict_the_support():
 
 def test_logprobs_are_of_the_chosen_tokens(make_engine):
     eng = make_engine()
-    eng.add_request("r", PROMPT, SamplingParams(max_tokens=6, temperature=0, logprobs=True, ignore_eos=True))
+    eng.add_request(
+        "r", PROMPT, SamplingParams(max_tokens=6, temperature=0, logprobs=True, ignore_eos=True)
+    )
     outs = _collect(eng)
     lps = [lp for o in outs for lp in o.new_logprobs]
     assert len(lps) == 6 and all(lp <= 0 for lp in lps)
@@ -67,9 +73,13 @@ def test_logprobs_are_of_the_chosen_tokens(make_engine):
 
 def test_stop_token_ids_and_max_tokens_and_eos(make_engine):
     eng = make_engine()
-    (free_run,) = eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    (free_run,) = eng.generate(
+        [PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
     stop_at = free_run[4]
-    eng.add_request("r", PROMPT, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_at,)))
+    eng.add_request(
+        "r", PROMPT, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_at,))
+    )
     outs = _collect(eng)
     got = [t for o in outs for t in o.new_token_ids]
     assert got == free_run[: free_run.index(stop_at) + 1]
@@ -79,8 +89,14 @@ def test_stop_token_ids_and_max_tokens_and_eos(make_engine):
     assert outs[-1].finish_reason is FinishReason.LENGTH and outs[-1].num_output_tokens == 3
     # EOS: treat the run's 3rd token as EOS by making it the engine's eos id
     eng.eos_token_ids = frozenset({free_run[2]})
-    assert eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0))[0] == free_run[: free_run.index(free_run[2]) + 1]
-    assert eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0] == free_run
+    assert (
+        eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0))[0]
+        == free_run[: free_run.index(free_run[2]) + 1]
+    )
+    assert (
+        eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+        == free_run
+    )
 
 
 @pytest.mark.slow
@@ -102,7 +118,11 @@ def test_stop_strings_truncate_text_and_are_never_streamed(smollm_engine):
 @pytest.mark.slow
 def test_streamed_text_equals_decoded_tokens(smollm_engine):
     tok = smollm_engine.tokenizer
-    ids = tok.encode_chat([{"role": "user", "content": "Écris une phrase en français avec des accents."}])
+    ids = tok.encode_chat(
+        [{"role": "user", "content": "Écris une phrase en français avec des accents."}]
+    )
     smollm_engine.add_request("t", ids, SamplingParams(max_tokens=30, temperature=0))
     outs = _collect(smollm_engine)
-    assert "".join(o.new_text for o in outs) == tok.decode([t for o in outs for t in o.new_token_ids])
+    assert "".join(o.new_text for o in outs) == tok.decode(
+        [t for o in outs for t in o.new_token_ids]
+    )

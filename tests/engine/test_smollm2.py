@@ -12,7 +12,10 @@ pytestmark = pytest.mark.slow
 RAW_PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    ", "Paris is the capital of"]
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Name a color."}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Name a color."},
+    ],
 ]
 
 
@@ -23,7 +26,9 @@ def test_greedy_matches_transformers_raw_and_chat(smollm_engine, smollm_hf):
     for text, ids in zip(RAW_PROMPTS, prompts):
         assert ids == hf_tok.encode(text)
     for m, ids in zip(CHATS, prompts[len(RAW_PROMPTS) :]):
-        assert ids == hf_tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert ids == hf_tok.apply_chat_template(
+            m, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     params = SamplingParams(max_tokens=24, temperature=0)
     got = smollm_engine.generate(prompts, params)  # batched together
     for ids, ours in zip(prompts, got):

@@ -58,16 +58,22 @@ def test_tokenizer_json_folder_path(tokenizers, tmp_path):
     ours, ref = tokenizers
     ours._tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>", "add_bos_token": False})
+        json.dumps(
+            {
+                "bos_token": {"content": "<|im_start|>"},
+                "eos_token": "<|im_end|>",
+                "add_bos_token": False,
+            }
+        )
     )
     (tmp_path / "chat_template.jinja").write_text(ours.chat_template)
     again = Tokenizer.from_folder(tmp_path)
     assert again.eos_token_id == 2 and again.bos_token_id == 1
     for text in TEXTS:
         assert again.encode(text) == ref.encode(text)
-    assert again.apply_chat_template([{"role": "user", "content": "x"}]) == ours.apply_chat_template(
+    assert again.apply_chat_template(
         [{"role": "user", "content": "x"}]
-    )
+    ) == ours.apply_chat_template([{"role": "user", "content": "x"}])
 
 
 @pytest.mark.parametrize("text", TEXTS[3:6])

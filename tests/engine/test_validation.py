@@ -77,7 +77,9 @@ def test_duplicate_request_id_is_refused(make_engine):
 
 def test_abort_mid_decode_frees_blocks(make_engine):
     eng = make_engine()
-    eng.add_request("a", list(range(3, 30)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    eng.add_request(
+        "a", list(range(3, 30)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    )
     for _ in range(3):
         eng.step()
     assert eng.blocks.num_used_blocks > 0
@@ -156,8 +158,16 @@ def test_sharded_safetensors_folder(tiny_model_dir, tmp_path, make_engine):
     shutil.copy(src / "config.json", folder / "config.json")
     sd = load_file(str(src / "model.safetensors"))
     names = sorted(sd)
-    save_file({n: sd[n] for n in names[: len(names) // 2]}, str(folder / "model-00001-of-00002.safetensors"))
-    save_file({n: sd[n] for n in names[len(names) // 2 :]}, str(folder / "model-00002-of-00002.safetensors"))
-    ref = make_engine("llama-mha-untied").generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0))
+    save_file(
+        {n: sd[n] for n in names[: len(names) // 2]},
+        str(folder / "model-00001-of-00002.safetensors"),
+    )
+    save_file(
+        {n: sd[n] for n in names[len(names) // 2 :]},
+        str(folder / "model-00002-of-00002.safetensors"),
+    )
+    ref = make_engine("llama-mha-untied").generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0)
+    )
     eng = Engine(load_model(folder), None, EngineConfig(num_kv_blocks=64, block_size=4))
     assert eng.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0)) == ref

@@ -1,0 +1,113 @@
+"""GGUF loading: a tiny random Llama written as GGUF the way llama.cpp's converter writes it
+(q/k rows permuted for its RoPE), in every supported tensor type, loads back to HF's weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.loader import load_model
+from services.engine.sampling_params import SamplingParams
+from tests.engine.conftest import hf_greedy
+
+# max |error| / max |w| allowed per type (quantization error, not a layout bug: a wrong
+# permutation or transposition gives errors of order 1)
+TOLERANCE = {"F32": 0.0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 1e-2, "Q4_0": 0.15, "Q4_1": 0.1}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_gguf(path, hf_folder, qtype_name: str) -> None:
+    import gguf
+    from safetensors.torch import load_file
+
+    from services.engine.loader import _GGUF_NAMES
+
+    cfg = load_model(hf_folder).config
+    sd = load_file(str(hf_folder / "model.safetensors"))
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_eos_token_id(2)
+    inverse = {v: k for k, v in _GGUF_NAMES.items()}
+    for name, t in sd.items():
+        arr = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, i, *rest = name.split(".")
+            gname = f"blk.{i}.{inverse['.'.join(rest[:-1])]}.{rest[-1]}"
+        if name.endswith("q_proj.weight"):
+            arr = _llama_cpp_permute(arr, cfg.num_heads)
+        elif name.endswith("k_proj.weight"):
+            arr = _llama_cpp_permute(arr, cfg.num_kv_heads)
+        if arr.ndim == 1:  # norms stay F32, as llama.cpp writes them
+            w.add_tensor(gname, arr)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("qtype", list(TOLERANCE))
+def test_gguf_types_load_to_the_hf_weights(qtype, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tiny_model_dir("llama-mha-untied")
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_gguf(path, folder, qtype)
+    ours = load_model(path)
+    ref = load_model(folder)
+    assert ours.config.num_heads == ref.config.num_heads and not ours.config.tie_word_embeddings
+    for name, want in ref.state_dict.items():
+        got = ours.state_dict[name]
+        assert got.shape == want.shape, name
+        err = (got - want).abs().max().item() / want.abs().max().item()
+        assert err <= TOLERANCE[qtype], (name, err)
+    if qtype == "F32":  # bit-exact weights: tokens equal HF's on the original model
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        eng = Engine(ours, None, EngineConfig(num_kv_blocks=64, block_size=4))
+        prompt = [5, 17, 99, 200, 3, 42]
+        assert eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0] == hf_greedy(
+            hf, prompt, 16, eos=2
+        )
+
+
+def test_gguf_of_another_architecture_is_refused(tmp_path):
+    import gguf
+
+    from services.engine.errors import UnsupportedArchitectureError
+
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedArchitectureError, match="'falcon'"):
+        load_model(path)
