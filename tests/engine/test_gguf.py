@@ -11,7 +11,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.loader import load_model
 from services.engine.sampling_params import SamplingParams
-from tests.engine.conftest import hf_greedy
+from tests.fixtures import hf_greedy
 
 # max |error| / max |w| allowed per type (quantization error, not a layout bug: a wrong
 # permutation or transposition gives errors of order 1)

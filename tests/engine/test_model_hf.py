@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine.sampling_params import SamplingParams
-from tests.engine.conftest import TINY_CONFIGS, hf_greedy
+from tests.fixtures import TINY_CONFIGS, hf_greedy
 
 PROMPT_LENS = [1, 5, 17, 40]
 

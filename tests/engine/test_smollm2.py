@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.engine.sampling_params import SamplingParams
-from tests.engine.conftest import hf_greedy
+from tests.fixtures import hf_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -125,23 +125,28 @@ def test_truncated_safetensors(tiny_model_dir, tmp_path):
         load_model(folder)
 
 
-def test_unsupported_architecture_is_named(tiny_model_dir, tmp_path):
-    folder = tmp_path / "gpt2"
-    shutil.copytree(tiny_model_dir("llama-gqa-tied"), folder)
+def _copy_with_config(src, folder, **changes):
+    shutil.copytree(src, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg.update(changes)
     (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_unsupported_architecture_is_named(tiny_model_dir, tmp_path):
+    folder = _copy_with_config(
+        tiny_model_dir("llama-gqa-tied"), tmp_path / "gpt2", architectures=["GPT2LMHeadModel"]
+    )
     with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel"):
         load_model(folder)
 
 
 def test_unsupported_rope_type_is_named(tiny_model_dir, tmp_path):
-    folder = tmp_path / "yarn"
-    shutil.copytree(tiny_model_dir("llama-gqa-tied"), folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
-    cfg.pop("rope_parameters", None)
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = _copy_with_config(
+        tiny_model_dir("llama-gqa-tied"),
+        tmp_path / "yarn",
+        rope_scaling={"rope_type": "yarn", "factor": 4.0},
+    )
     with pytest.raises(ModelLoadError, match="'yarn'"):
         load_model(folder)
 

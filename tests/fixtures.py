@@ -1,4 +1,4 @@
-"""Engine fixtures: tiny random Llama-family models saved by HF transformers, the real SmolLM2,
+"""Shared fixtures (loaded as a plugin by tests/conftest.py): tiny random Llama-family models saved by HF transformers, the real SmolLM2,
 and a teardown that checks every engine's block accounting is back to idle."""
 
 from __future__ import annotations

@@ -1,0 +1,155 @@
+"""gRPC KV transport: a ``KVTransfer`` server per prefill replica, pulled by decode replicas.
+
+Lifecycle of one transfer:
+1. The decode side calls ``PullKV(request_id, its layout)`` with a deadline.
+2. The server looks the request up in its ``KVSource``: NOT_FOUND if absent,
+   FAILED_PRECONDITION if the layouts differ; else it streams a header and CRC-32'd chunks.
+3. The client verifies every chunk (``wire.decode``) and returns the handle, or raises.
+4. The decode side calls ``ReleaseKV`` once the blocks are placed (or it gave up); the
+   prefill side's hold timeout frees them if that never comes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent import futures
+
+import grpc
+
+from kvtransfer import wire
+from kvtransfer.transport import KVSource
+from proto.pdserve.v1 import kv_transfer_pb2 as pb
+from proto.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
+from services.engine.errors import LayoutMismatchError, UnknownRequestError
+from services.engine.kv_handle import KVHandle, LayoutFingerprint
+
+# NOTE: chunks stay well under gRPC's 4 MiB default message limit; both ends also raise it.
+MAX_MESSAGE_BYTES = 64 << 20
+_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+MessageHook = Callable[[pb.PullKVResponse], pb.PullKVResponse]
+
+
+class _Servicer(pb_grpc.KVTransferServicer):
+    def __init__(self, source: KVSource, chunk_bytes: int, hook: MessageHook | None) -> None:
+        self.source = source
+        self.chunk_bytes = chunk_bytes
+        self.hook = hook
+
+    def PullKV(
+        self, request: pb.PullKVRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.PullKVResponse]:
+        handle = self.source.get(request.request_id)
+        if handle is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no KV held for request {request.request_id!r}"
+            )
+        try:
+            wire.check_layout(handle.fingerprint, wire.layout_from_proto(request.layout))
+        except LayoutMismatchError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        chunk = min(request.max_chunk_bytes or self.chunk_bytes, self.chunk_bytes)
+        for msg in wire.encode(handle, chunk):
+            yield self.hook(msg) if self.hook is not None else msg
+
+    def ReleaseKV(
+        self, request: pb.ReleaseKVRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseKVResponse:
+        self.source.release(request.request_id)
+        return pb.ReleaseKVResponse()
+
+
+class GrpcKVServer:
+    """A ``KVTransfer`` server on ``host:port`` (port 0 picks a free one).
+
+    Args:
+        message_hook: test hook applied to every outgoing message (fault injection).
+    """
+
+    def __init__(
+        self,
+        source: KVSource,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
+        max_workers: int = 4,
+        message_hook: MessageHook | None = None,
+    ) -> None:
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS
+        )
+        pb_grpc.add_KVTransferServicer_to_server(
+            _Servicer(source, chunk_bytes, message_hook), self._server
+        )
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot bind the KV transfer server to {host}:{port}")
+        self._address = f"{host}:{bound}"
+        self._server.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._server.stop(grace_s).wait(grace_s + 1.0)
+
+
+class GrpcKVClient:
+    """Pulls KV blocks from ``GrpcKVServer``s; keeps one channel per address."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def _stub(self, address: str) -> pb_grpc.KVTransferStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.insecure_channel(address, options=_OPTIONS)
+        return pb_grpc.KVTransferStub(ch)
+
+    def pull(
+        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+    ) -> KVHandle:
+        req = pb.PullKVRequest(request_id=request_id, layout=wire.layout_to_proto(layout))
+        try:
+            return wire.decode(self._stub(address).PullKV(req, timeout=timeout_s), layout)
+        except grpc.RpcError as e:
+            raise _map_error(e, address) from None
+
+    def release(self, address: str, request_id: str, timeout_s: float) -> None:
+        try:
+            self._stub(address).ReleaseKV(
+                pb.ReleaseKVRequest(request_id=request_id), timeout=timeout_s
+            )
+        except grpc.RpcError as e:
+            raise _map_error(e, address) from None
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+
+
+def _map_error(e: grpc.RpcError, address: str) -> Exception:
+    code, details = e.code(), e.details()  # type: ignore[attr-defined]
+    if code == grpc.StatusCode.NOT_FOUND:
+        return UnknownRequestError(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return LayoutMismatchError(details)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(f"KV transfer from {address} passed its deadline")
+    return wire.TransferError(f"KV transfer from {address} failed: {code.name}: {details}")
+
+
+class GrpcTransport:
+    name = "grpc"
+
+    def serve(self, source: KVSource, host: str = "127.0.0.1", port: int = 0) -> GrpcKVServer:
+        return GrpcKVServer(source, host, port)
+
+    def client(self) -> GrpcKVClient:
+        return GrpcKVClient()

@@ -1,0 +1,79 @@
+"""The KV transport interface and its registry.
+
+A prefill replica runs a transport *server* over a ``KVSource`` (its engine's held requests);
+a decode replica *pulls* a request's blocks with the transport client and then releases them.
+NOTE: pull, not push: the decode replica knows when it has room for the blocks, so it pulls
+when it can place them, and the prefill side never buffers for a receiver that is not ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from services.engine.kv_handle import KVHandle, LayoutFingerprint
+
+
+class KVSource(Protocol):
+    """What a transport server serves from (a prefill engine's held requests)."""
+
+    def get(self, request_id: str) -> KVHandle | None:
+        """The request's handle, or None if it is not held here."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Free the request's blocks; idempotent."""
+        ...
+
+
+class KVServer(Protocol):
+    @property
+    def address(self) -> str: ...
+
+    def stop(self) -> None: ...
+
+
+class KVClient(Protocol):
+    def pull(
+        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+    ) -> KVHandle:
+        """Fetch and verify a request's blocks.
+
+        Raises:
+            UnknownRequestError: the sender does not hold the request.
+            LayoutMismatchError: the sender's layout differs from ``layout``.
+            kvtransfer.wire.TransferError: corrupt, incomplete or failed transfer.
+            TimeoutError: the deadline passed.
+        """
+        ...
+
+    def release(self, address: str, request_id: str, timeout_s: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    name: str
+
+    def serve(self, source: KVSource, host: str, port: int) -> KVServer: ...
+
+    def client(self) -> KVClient: ...
+
+
+def _load_grpc() -> Transport:
+    from kvtransfer.grpc_transport import GrpcTransport
+
+    return GrpcTransport()
+
+
+TRANSPORTS: dict[str, Callable[[], Transport]] = {"grpc": _load_grpc}
+
+
+def get_transport(name: str) -> Transport:
+    """Instantiate a transport by name; the error lists the valid names."""
+    try:
+        return TRANSPORTS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown KV transport {name!r}; choose one of: {', '.join(TRANSPORTS)}"
+        ) from None

@@ -1,0 +1,122 @@
+"""KV handle <-> wire messages (proto ``pdserve.v1.KVTransfer``): header, then CRC-checked chunks.
+
+Invariant: a receiver either returns a handle whose every byte passed its chunk's CRC-32 and
+whose layout equals the receiver's own, or raises; it never returns partial or unchecked KV.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from proto.pdserve.v1 import kv_transfer_pb2 as pb
+from services.engine.errors import LayoutMismatchError
+from services.engine.kv_handle import KVHandle, LayoutFingerprint
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TransferError(Exception):
+    """A transfer was corrupt, incomplete or out of order; the KV must not be used."""
+
+
+def layout_to_proto(fp: LayoutFingerprint) -> pb.KVLayout:
+    return pb.KVLayout(
+        model_id=fp.model_id,
+        num_layers=fp.num_layers,
+        num_kv_heads=fp.num_kv_heads,
+        head_dim=fp.head_dim,
+        block_size=fp.block_size,
+        dtype=fp.dtype,
+    )
+
+
+def layout_from_proto(m: pb.KVLayout) -> LayoutFingerprint:
+    return LayoutFingerprint(
+        m.model_id, m.num_layers, m.num_kv_heads, m.head_dim, m.block_size, m.dtype
+    )
+
+
+def check_layout(got: LayoutFingerprint, want: LayoutFingerprint) -> None:
+    if got != want:
+        raise LayoutMismatchError(f"KV layout mismatch: {got.describe_mismatch(want)}")
+
+
+def encode(handle: KVHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.PullKVResponse]:
+    """Header, then the block tensor's bytes in chunks of at most ``chunk_bytes``."""
+    chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+    payload = memoryview(handle.blocks.contiguous().view(torch.uint8).numpy()).cast("B")
+    total = len(payload)
+    n_chunks = max(1, -(-total // chunk_bytes))
+    header = pb.KVHeader(
+        request_id=handle.request_id,
+        token_ids=handle.token_ids,
+        num_computed=handle.num_computed,
+        layout=layout_to_proto(handle.fingerprint),
+        block_hashes=handle.block_hashes,
+        num_blocks=handle.num_blocks,
+        total_bytes=total,
+        num_chunks=n_chunks,
+    )
+    if handle.first_logprob is not None:
+        header.first_logprob = handle.first_logprob
+    yield pb.PullKVResponse(header=header)
+    for seq in range(n_chunks):
+        data = bytes(payload[seq * chunk_bytes : (seq + 1) * chunk_bytes])
+        yield pb.PullKVResponse(chunk=pb.KVChunk(seq=seq, data=data, crc32=zlib.crc32(data)))
+
+
+def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -> KVHandle:
+    """Rebuild a handle; raises LayoutMismatchError or TransferError."""
+    it = iter(messages)
+    first = next(it, None)
+    if first is None or first.WhichOneof("msg") != "header":
+        raise TransferError("transfer did not start with a header")
+    h = first.header
+    layout = layout_from_proto(h.layout)
+    check_layout(layout, expected)
+    if layout.dtype not in DTYPES:
+        raise TransferError(f"unknown dtype {layout.dtype!r}")
+    shape = (
+        layout.num_layers,
+        2,
+        h.num_blocks,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+    )
+    dtype = DTYPES[layout.dtype]
+    want_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if h.total_bytes != want_bytes:
+        raise TransferError(f"header says {h.total_bytes} bytes, layout needs {want_bytes}")
+    buf = bytearray(want_bytes)
+    offset = 0
+    for seq in range(h.num_chunks):
+        msg = next(it, None)
+        if msg is None or msg.WhichOneof("msg") != "chunk":
+            raise TransferError(f"transfer ended after {seq} of {h.num_chunks} chunks")
+        c = msg.chunk
+        if c.seq != seq:
+            raise TransferError(f"chunk {c.seq} arrived where {seq} was due")
+        if zlib.crc32(c.data) != c.crc32:
+            raise TransferError(f"chunk {seq} failed its CRC-32 check")
+        end = offset + len(c.data)
+        if end > want_bytes:
+            raise TransferError("chunks carry more bytes than the header announced")
+        buf[offset:end] = c.data
+        offset = end
+    if offset != want_bytes:
+        raise TransferError(f"received {offset} of {want_bytes} bytes")
+    blocks = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+    return KVHandle(
+        request_id=h.request_id,
+        token_ids=tuple(h.token_ids),
+        num_computed=h.num_computed,
+        fingerprint=layout,
+        block_hashes=tuple(h.block_hashes),
+        blocks=blocks,
+        first_logprob=h.first_logprob if h.HasField("first_logprob") else None,
+    )
