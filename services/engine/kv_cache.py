@@ -30,11 +30,6 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    @property
-    def bytes_per_block(self) -> int:
-        t = self.k[0]
-        return 2 * len(self.k) * t[:, 0].numel() * t.element_size()
-
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim]; slots: [num_tokens] int64."""
         kc, vc = self.k[layer], self.v[layer]

@@ -87,10 +87,6 @@ class Request:
         return len(self.prompt_ids)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt :]
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -39,10 +39,6 @@ class SchedulerOutput:
     imports: list[tuple[Request, list[int], int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.spans)
-
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
@@ -118,7 +114,7 @@ class Scheduler:
         req.num_computed = 0
         req.num_preemptions += 1
         req.status = Status.WAITING
-        if req.kv_import is not None and req.num_tokens > req.kv_import.num_computed + 1:
-            req.kv_import = None  # past the handle: recompute from tokens like any request
+        # NOTE: running requests never hold a kv_import (the engine drops it once copied in),
+        # so a preempted request always recomputes from its tokens, mostly from the prefix cache.
         self.waiting.appendleft(req)
         out.preempted.append(req)

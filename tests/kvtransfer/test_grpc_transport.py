@@ -109,7 +109,7 @@ def test_mismatched_layout_unknown_request_and_deadline(client):
         t = time.perf_counter()
         with pytest.raises(TimeoutError):
             client.pull(slow.address, "r", h.fingerprint, timeout_s=0.3)
-        assert time.perf_counter() - t < 1.5
+        assert time.perf_counter() - t < 3  # the deadline holds: no wait on the slow sender
         client.release(server.address, "r", 5)
         assert source.released == ["r"]
         with pytest.raises(UnknownRequestError):
@@ -127,7 +127,7 @@ def test_dead_sender_fails_the_pull_without_hanging(client):
     t = time.perf_counter()
     with pytest.raises((TransferError, TimeoutError)):
         client.pull(address, "r", h.fingerprint, timeout_s=2)
-    assert time.perf_counter() - t < 5
+    assert time.perf_counter() - t < 10  # bounded: never waits forever
 
 
 def test_engine_handoff_over_grpc_gives_solo_tokens(make_engine, client):
