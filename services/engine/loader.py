@@ -55,19 +55,35 @@ def default_model_path() -> Path:
     raise ModelLoadError(f"{DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE!r}")
 
 
-def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:
-    """Load config and fp32 weights from a GGUF file or an HF folder (None: the default)."""
+def resolve_model(path: str | os.PathLike[str] | None = None) -> tuple[Path, str]:
+    """The HF-layout folder holding the model (converting a GGUF once) and its stable id."""
     p = Path(path) if path is not None else default_model_path()
     if not p.exists():
         raise ModelLoadError(f"model path does not exist: {p}")
     if p.is_dir():
-        return _load_hf_folder(p, model_id=p.name)
+        return p, p.name
     if p.suffix != ".gguf":
         raise ModelLoadError(f"model path must be a .gguf file or a Hugging Face folder: {p}")
-    model_id = DEFAULT_MODEL_ID if path is None else p.stem
     folder = gguf_cache_folder(p)
     if not (folder / "model.safetensors").is_file():
         _convert_gguf(p, folder)
+    return folder, DEFAULT_MODEL_ID if path is None else p.stem
+
+
+def read_model_config(folder: Path) -> ModelConfig:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{folder} has no config.json")
+    try:
+        cfg_dict = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot parse {cfg_path}: {e}") from None
+    return ModelConfig.from_hf_dict(cfg_dict)
+
+
+def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:
+    """Load config and fp32 weights from a GGUF file or an HF folder (None: the default)."""
+    folder, model_id = resolve_model(path)
     return _load_hf_folder(folder, model_id=model_id)
 
 
@@ -82,14 +98,7 @@ def _load_hf_folder(folder: Path, model_id: str) -> LoadedModel:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ModelLoadError(f"{folder} has no config.json")
-    try:
-        cfg_dict = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot parse {cfg_path}: {e}") from None
-    config = ModelConfig.from_hf_dict(cfg_dict)
+    config = read_model_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder} has no *.safetensors weights")

@@ -1,0 +1,71 @@
+"""Builders: the only place Ray Serve deployments are made from the plain classes.
+
+``build_app(cfg)`` returns the bound application; ``app_from_env(args)`` is the import path
+for ``serve run`` / ``serve deploy`` config files (see deploy/serve_config.yaml).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray import serve
+
+from services.config import PoolConfig, ServeConfig, load_config
+from services.decode.server import DecodeServer
+from services.gateway.gateway import Gateway
+from services.gateway.http_api import build_http_app
+from services.prefill.server import PrefillServer
+
+
+def _actor_options(pool: PoolConfig) -> dict[str, Any]:
+    # NOTE: one torch/OMP thread per replica by default; placement by the pool's custom
+    # resource (node resources in a real cluster, ray.init(resources=...) locally) plus GPUs.
+    threads = str(pool.threads)
+    return {
+        "num_cpus": 0,
+        "num_gpus": pool.num_gpus,
+        "resources": {pool.resource: 1},
+        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
+    }
+
+
+class _GatewayIngress(Gateway):
+    def __serve_build_asgi_app__(self):  # type: ignore[no-untyped-def]
+        return build_http_app(self)
+
+
+def build_app(cfg: ServeConfig):  # -> serve Application
+    decode_role = "both" if cfg.mode == "colocated" else "decode"
+    decode = serve.deployment(
+        DecodeServer,
+        name="decode",
+        num_replicas=cfg.decode.replicas,
+        ray_actor_options=_actor_options(cfg.decode),
+        max_ongoing_requests=cfg.decode.max_num_seqs,
+    ).bind(cfg, decode_role)
+    if cfg.mode == "colocated":
+        prefill = None
+    else:
+        prefill = serve.deployment(
+            PrefillServer,
+            name="prefill",
+            num_replicas=cfg.prefill.replicas,
+            ray_actor_options=_actor_options(cfg.prefill),
+            max_ongoing_requests=cfg.prefill.max_num_seqs,
+        ).bind(cfg)
+    gateway = serve.deployment(
+        serve.ingress()(_GatewayIngress),
+        name="gateway",
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=1000,
+    )
+    return gateway.bind(prefill, decode, cfg)
+
+
+def app_from_env(args: dict[str, Any]):  # -> serve Application
+    """Entry point for Ray Serve config files: ``args`` may name ``config`` (a YAML path) and
+    any ServeConfig field."""
+    args = dict(args or {})
+    path = args.pop("config", None) or os.environ.get("PDSERVE_CONFIG")
+    return build_app(load_config(path, args))

@@ -1,0 +1,129 @@
+"""The cluster's configuration: one validated model (pydantic at the edge), from a YAML file,
+``PDSERVE_*`` environment variables and CLI flags, in that order of precedence (flags win).
+
+Environment variables: ``PDSERVE_<FIELD>`` for top-level fields and ``PDSERVE_<POOL>__<FIELD>``
+for pool fields, e.g. ``PDSERVE_MODE=colocated``, ``PDSERVE_DECODE__REPLICAS=2``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.engine.config import EngineConfig
+
+
+class PoolConfig(BaseModel):
+    """One worker pool (prefill or decode)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    replicas: int = Field(1, ge=1, le=256, description="replicas in this pool")
+    resource: str = Field(description="Ray custom resource that marks this pool's nodes")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (0 on CPU)")
+    threads: int = Field(1, ge=1, le=256, description="torch threads per replica")
+    num_kv_blocks: int = Field(1024, ge=16, description="KV blocks per replica")
+    max_num_seqs: int = Field(64, ge=1, description="running requests per replica")
+    max_num_batched_tokens: int = Field(1024, ge=16, description="per-step token budget")
+
+
+class ServeConfig(BaseModel):
+    """Everything ``pdserve serve`` deploys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="GGUF file or HF folder; None = embedded SmolLM2")
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="separate prefill and decode pools, or one pool for both"
+    )
+    conditional_threshold: int = Field(
+        0,
+        ge=0,
+        description="disaggregated mode: prompts shorter than this many (uncached) tokens are "
+        "prefilled on the decode replica itself; 0 disables",
+    )
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("cpu", description="cpu or cuda")
+    http_host: str = Field("127.0.0.1", description="HTTP bind address")
+    http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP API")
+    kv_transport: str = Field("grpc", description="KV transport (see kvtransfer.transport)")
+    kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one KV pull")
+    kv_hold_timeout_s: float = Field(
+        60.0, gt=0, description="prefill keeps unclaimed KV this long, then frees it"
+    )
+    request_timeout_s: float = Field(600.0, gt=0, description="longest a request may run")
+    ray_address: str | None = Field(None, description="join this Ray cluster; None = start one")
+    prefill: PoolConfig = PoolConfig(resource="prefill_pool")
+    decode: PoolConfig = PoolConfig(resource="decode_pool")
+
+    def engine_config(
+        self, pool: PoolConfig, role: Literal["both", "prefill", "decode"]
+    ) -> EngineConfig:
+        return EngineConfig(
+            block_size=self.block_size,
+            num_kv_blocks=pool.num_kv_blocks,
+            max_num_seqs=pool.max_num_seqs,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            role=role,
+            dtype=self.dtype,
+            device=self.device,
+            threads=pool.threads,
+            kv_hold_timeout_s=self.kv_hold_timeout_s,
+        )
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    fields = ServeConfig.model_fields
+    for key, value in environ.items():
+        if not key.startswith("PDSERVE_"):
+            continue
+        name = key[len("PDSERVE_") :].lower()
+        if "__" in name:
+            pool, field = name.split("__", 1)
+            if pool in ("prefill", "decode"):
+                out.setdefault(pool, {})[field] = value
+        elif name in fields and name not in ("prefill", "decode"):
+            out[name] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(merged.get(k), Mapping):
+            merged[k] = _merge(dict(merged[k]), v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServeConfig:
+    """YAML file < PDSERVE_* environment < ``overrides`` (CLI flags, nested dicts for pools).
+
+    Raises:
+        pydantic.ValidationError: naming every bad field.
+        FileNotFoundError: the YAML file does not exist.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+        data = loaded
+    data = _merge(data, _env_overrides(os.environ if environ is None else environ))
+    data = _merge(data, overrides or {})
+    for pool, resource in (("prefill", "prefill_pool"), ("decode", "decode_pool")):
+        if isinstance(data.get(pool), Mapping):
+            data[pool] = {"resource": resource, **data[pool]}
+    return ServeConfig.model_validate(data)

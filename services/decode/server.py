@@ -1,0 +1,88 @@
+"""Decode replica (a plain class; the Ray Serve deployment is made in ``services.app``).
+
+Request lifecycle on a decode replica:
+1. ``generate(spec, prefill)`` pulls the request's KV from the prefill replica named in
+   ``prefill`` (deadline ``kv_timeout_s``), releases it there, and places it in its own cache;
+   with ``prefill=None`` (colocated mode, or a short prompt under conditional disaggregation)
+   it prefills the prompt itself.
+2. The request joins the continuous batch and streams ``TokenChunk``s until a stop condition.
+3. A consumer that goes away (client disconnect, cancel) aborts the request: blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from kvtransfer.transport import get_transport
+from kvtransfer.wire import TransferError
+from services.config import ServeConfig
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine import Engine, EngineStats
+from services.engine.errors import LayoutMismatchError, UnknownRequestError
+from services.engine.kv_handle import KVHandle
+from services.pd_flow import GenerateSpec, KVTransferFailedError, PrefillResult, TokenChunk
+
+
+class DecodeServer:
+    def __init__(self, cfg: ServeConfig, role: str = "decode") -> None:
+        self.cfg = cfg
+        engine = Engine.from_path(cfg.model, cfg.engine_config(cfg.decode, role))  # type: ignore[arg-type]
+        self.engine = AsyncEngine(engine, stall_timeout_s=cfg.request_timeout_s)
+        self.kv_client = get_transport(cfg.kv_transport).client()
+        # test hook: when set, the next KV pull fails as a lost transfer would
+        self.fail_next_pulls = 0
+
+    async def _pull(self, spec: GenerateSpec, prefill: PrefillResult) -> KVHandle:
+        assert prefill.kv_address is not None
+        fp = self.engine.engine.fingerprint
+        try:
+            if self.fail_next_pulls > 0:
+                self.fail_next_pulls -= 1
+                raise TransferError("injected transfer failure (test hook)")
+            return await asyncio.to_thread(
+                self.kv_client.pull, prefill.kv_address, spec.request_id, fp, self.cfg.kv_timeout_s
+            )
+        except (TransferError, TimeoutError, UnknownRequestError, LayoutMismatchError) as e:
+            raise KVTransferFailedError(
+                f"KV transfer for {spec.request_id!r} failed: {e}"
+            ) from None
+        finally:
+            # the prefill side frees (or caches) the blocks; its hold timeout covers a lost release
+            try:
+                await asyncio.to_thread(
+                    self.kv_client.release, prefill.kv_address, spec.request_id, 5.0
+                )
+            except Exception:
+                pass
+
+    async def generate(
+        self, spec: GenerateSpec, prefill: PrefillResult | None = None
+    ) -> AsyncIterator[TokenChunk]:
+        handle = None
+        transfer_s = 0.0
+        if prefill is not None:
+            t = time.perf_counter()
+            handle = await self._pull(spec, prefill)
+            transfer_s = time.perf_counter() - t
+        async for out in self.engine.generate(
+            spec.request_id, spec.prompt_ids, spec.params, kv_handle=handle
+        ):
+            if not out.new_token_ids and not out.finished:
+                continue
+            yield TokenChunk(
+                token_ids=tuple(out.new_token_ids),
+                text=out.new_text,
+                logprobs=tuple(out.new_logprobs) if out.new_logprobs is not None else None,
+                finish_reason=str(out.finish_reason) if out.finished else None,
+                num_cached_tokens=out.num_cached_tokens,
+                kv_transfer_s=transfer_s,
+            )
+            transfer_s = 0.0
+
+    def stats(self) -> EngineStats:
+        return self.engine.call(Engine.stats)
+
+    def set_fail_next_pulls(self, n: int) -> None:
+        self.fail_next_pulls = n

@@ -1,0 +1,127 @@
+"""An engine driven by its own thread, consumed from asyncio (one per replica).
+
+Invariants: the engine is only touched under ``lock``; every request added here has a stream
+until its final output (or an error) reaches it; a consumer that stops listening aborts its
+request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+from services.engine.engine import Engine
+from services.engine.kv_handle import KVHandle
+from services.engine.request import RequestOutput
+from services.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineStalledError(RuntimeError):
+    """No output for a request within the stall deadline."""
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a background thread while there is work.
+
+    Args:
+        stall_timeout_s: longest wait for a request's next output before giving up on it.
+    """
+
+    def __init__(self, engine: Engine, stall_timeout_s: float = 120.0) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.stall_timeout_s = stall_timeout_s
+        self._wake = threading.Condition(self.lock)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[object]]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        kv_handle: KVHandle | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; raises InvalidRequestError before yielding."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        with self._wake:
+            self.engine.add_request(
+                request_id, prompt_ids, params, prefill_only=prefill_only, kv_handle=kv_handle
+            )
+            self._streams[request_id] = (loop, queue)
+            self._wake.notify()
+        finished = False
+        try:
+            while not finished:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout=self.stall_timeout_s)
+                except TimeoutError:
+                    raise EngineStalledError(f"request {request_id!r} made no progress") from None
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                assert isinstance(item, RequestOutput)
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # consumer went away (disconnect, cancel, error): free the blocks
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self.engine.abort(request_id)
+            self._wake.notify()
+
+    def call(self, fn, *args):  # type: ignore[no-untyped-def]
+        """Run ``fn(engine, *args)`` under the engine lock (stats, export, release)."""
+        with self.lock:
+            return fn(self.engine, *args)
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self.engine.has_unfinished:
+                    # NOTE: wake up now and then even when idle: step() also expires KV holds
+                    # that no decode replica came for.
+                    if not self._wake.wait(timeout=1.0):
+                        self.engine.step()
+                if self._stopped:
+                    break
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a bug: fail every open stream loudly, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(e)
+                    continue
+                deliveries = []
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    if out.finished:
+                        del self._streams[out.request_id]
+                    deliveries.append((stream, out))
+            for (loop, queue), out in deliveries:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, (loop, queue) in list(self._streams.items()):
+            self.engine.abort(rid)
+            loop.call_soon_threadsafe(queue.put_nowait, error)
+        self._streams.clear()
+        self.engine.step()  # drain the aborts

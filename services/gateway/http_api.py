@@ -1,0 +1,205 @@
+"""OpenAI-compatible HTTP API over a ``Gateway``: /v1/completions, /v1/chat/completions
+(SSE with ``stream: true``), /v1/models, /health, /metrics. Errors are mapped here, once."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+
+from services.engine.errors import InvalidRequestError
+from services.gateway.gateway import Gateway, ServiceUnavailableError, Timing
+from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, parse
+
+
+def error_body(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(
+        status, "internal_error"
+    )
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status
+    )
+
+
+def build_http_app(gw: Gateway) -> FastAPI:
+    app = FastAPI(title="pdserve", version="0.1.0")
+
+    @app.exception_handler(InvalidRequestError)
+    async def _bad(_: Request, e: InvalidRequestError) -> JSONResponse:
+        gw.metrics.requests.labels("invalid").inc()
+        return error_body(400, str(e), e.field)
+
+    @app.exception_handler(LookupError)
+    async def _missing(_: Request, e: LookupError) -> JSONResponse:
+        return error_body(404, str(e.args[0]) if e.args else "not found", "model")
+
+    @app.exception_handler(ServiceUnavailableError)
+    async def _unavailable(_: Request, e: ServiceUnavailableError) -> JSONResponse:
+        gw.metrics.requests.labels("unavailable").inc()
+        return error_body(503, str(e))
+
+    async def body_of(request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidRequestError("body", f"malformed JSON: {e}") from None
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(
+            generate_latest(gw.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
+        )
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": gw.model_id,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pdserve",
+                    "max_model_len": gw.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):  # type: ignore[no-untyped-def]
+        req = parse(CompletionRequest, await body_of(request))
+        assert isinstance(req, CompletionRequest)
+        gw.check_model(req.model)
+        spec = gw.spec(gw.prompt_ids(req.prompt), req.sampling_params(16, bool(req.logprobs)))
+        return await respond(spec, req.stream, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):  # type: ignore[no-untyped-def]
+        req = parse(ChatCompletionRequest, await body_of(request))
+        assert isinstance(req, ChatCompletionRequest)
+        gw.check_model(req.model)
+        ids = gw.tokenizer.encode_chat([m.model_dump() for m in req.messages])
+        default = req.max_completion_tokens or max(1, gw.max_model_len - len(ids))
+        spec = gw.spec(ids, req.sampling_params(default, req.logprobs))
+        return await respond(spec, req.stream, chat=True)
+
+    async def respond(spec, stream: bool, chat: bool):  # type: ignore[no-untyped-def]
+        timing = Timing()
+        created = int(time.time())
+        rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
+        chunks = gw.generate(spec, timing)
+        if not stream:
+            ids: list[int] = []
+            text: list[str] = []
+            lps: list[float] = []
+            finish = None
+            async for c in chunks:
+                ids.extend(c.token_ids)
+                text.append(c.text)
+                lps.extend(c.logprobs or ())
+                finish = c.finish_reason or finish
+            gw.metrics.observe(timing)
+            gw.metrics.requests.labels("ok").inc()
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": ids}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(text)}
+            else:
+                choice["text"] = "".join(text)
+            if spec.params.logprobs:
+                choice["logprobs"] = {"token_logprobs": lps}
+            return {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": gw.model_id,
+                "choices": [choice],
+                "usage": usage(len(spec.prompt_ids), len(ids)),
+                "pdserve_timing": timing.as_dict(),
+            }
+        # NOTE: start the flow before answering 200, so prefill errors still get a status code.
+        it = chunks.__aiter__()
+        first = await it.__anext__()
+        return StreamingResponse(
+            sse(spec, rid, created, chat, first, it, timing), media_type="text/event-stream"
+        )
+
+    async def sse(spec, rid, created, chat, first, it, timing) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+        n_out = 0
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(c) -> str:  # type: ignore[no-untyped-def]
+            choice: dict[str, Any] = {
+                "index": 0,
+                "finish_reason": c.finish_reason,
+                "token_ids": list(c.token_ids),
+            }
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            return (
+                "data: "
+                + json.dumps(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": gw.model_id,
+                        "choices": [choice],
+                    }
+                )
+                + "\n\n"
+            )
+
+        try:
+            c = first
+            while True:
+                n_out += len(c.token_ids)
+                yield event(c)
+                try:
+                    c = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+            tail = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": gw.model_id,
+                "choices": [],
+                "usage": usage(len(spec.prompt_ids), n_out),
+                "pdserve_timing": timing.as_dict(),
+            }
+            yield "data: " + json.dumps(tail) + "\n\n"
+            yield "data: [DONE]\n\n"
+            gw.metrics.observe(timing)
+            gw.metrics.requests.labels("ok").inc()
+        except ServiceUnavailableError as e:
+            gw.metrics.requests.labels("unavailable").inc()
+            yield (
+                "data: "
+                + json.dumps(
+                    {"error": {"message": str(e), "type": "service_unavailable", "code": 503}}
+                )
+                + "\n\n"
+            )
+        finally:
+            await it.aclose()
+
+    return app
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }

@@ -1,0 +1,73 @@
+"""OpenAI-compatible request bodies (pydantic, at the edge) and their translation to
+``SamplingParams``. Pure: no I/O, unit-testable alone."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.engine.errors import InvalidRequestError
+from services.engine.sampling_params import SamplingParams
+
+
+class _Sampling(BaseModel):
+    # NOTE: unknown fields are ignored (clients send many optional ones), but known fields are
+    # strictly typed: a wrong type is a 400 naming the field.
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+    model: str = Field(description="model id from /v1/models")
+    max_tokens: int | None = Field(None, description="tokens to generate at most")
+    temperature: float = Field(1.0, description="0 = greedy")
+    top_p: float = 1.0
+    top_k: int = Field(0, description="extension: 0 disables")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, description="extension")
+    ignore_eos: bool = Field(False, description="extension")
+    stream: bool = False
+    n: int = Field(1, description="only 1 is supported")
+
+    def sampling_params(self, default_max_tokens: int, logprobs: bool) -> SamplingParams:
+        if self.n != 1:
+            raise InvalidRequestError("n", "only n=1 is supported")
+        return SamplingParams.create(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(description="text, or token ids")
+    logprobs: int | None = Field(None, ge=0, le=1, description="1 = logprob of each chosen token")
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+
+
+def parse(model: type[_Sampling], body: object) -> _Sampling:
+    """Validate a decoded JSON body; raises InvalidRequestError naming the first bad field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", "must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "body"
+        raise InvalidRequestError(field, err["msg"]) from None
