@@ -1,6 +1,7 @@
 """The ``pdserve`` command.
 
 Sub-commands:
+  serve      start (or join) a Ray cluster and deploy the disaggregated app (HTTP on :8000).
   generate   run one prompt (or chat message) on a single-process engine, no Ray; streams the
              text, then prints TTFT, mean ITL and tokens/s.
 """
@@ -47,7 +48,56 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     _add_engine_args(gen)
+
+    srv = sub.add_parser("serve", help="start or join a Ray cluster and deploy (Ctrl-C stops)")
+    srv.add_argument("--config", default=None, help="YAML config file (see deploy/pdserve.yaml)")
+    srv.add_argument("--address", dest="ray_address", default=None, help="join this Ray cluster")
+    srv.add_argument("--model", default=None)
+    srv.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    srv.add_argument("--conditional-threshold", type=int, default=None)
+    srv.add_argument("--block-size", type=int, default=None)
+    srv.add_argument("--http-host", default=None)
+    srv.add_argument("--http-port", type=int, default=None)
+    for pool in ("prefill", "decode"):
+        srv.add_argument(f"--{pool}-replicas", type=int, default=None)
+        srv.add_argument(f"--{pool}-kv-blocks", type=int, default=None)
+        srv.add_argument(f"--{pool}-threads", type=int, default=None)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from services.config import load_config
+    from services.launcher import serve_forever
+
+    flat = {
+        k: getattr(args, k)
+        for k in (
+            "ray_address",
+            "model",
+            "mode",
+            "conditional_threshold",
+            "block_size",
+            "http_host",
+            "http_port",
+        )
+    }
+    overrides: dict[str, object] = {k: v for k, v in flat.items() if v is not None}
+    for pool in ("prefill", "decode"):
+        p = {
+            "replicas": getattr(args, f"{pool}_replicas"),
+            "num_kv_blocks": getattr(args, f"{pool}_kv_blocks"),
+            "threads": getattr(args, f"{pool}_threads"),
+        }
+        if any(v is not None for v in p.values()):
+            overrides[pool] = {k: v for k, v in p.items() if v is not None}
+    try:
+        cfg = load_config(args.config, overrides)
+    except ValidationError as e:
+        print(f"pdserve: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
+    return serve_forever(cfg)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -114,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
     except InvalidRequestError as e:
         print(f"pdserve: invalid request: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ Request lifecycle on a decode replica:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -23,6 +24,9 @@ from services.engine.engine import Engine, EngineStats
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from services.engine.kv_handle import KVHandle
 from services.pd_flow import GenerateSpec, KVTransferFailedError, PrefillResult, TokenChunk
+from services.prefill.server import ReplicaInfo, assigned_resources, replica_identity
+
+log = logging.getLogger(__name__)
 
 
 class DecodeServer:
@@ -54,8 +58,10 @@ class DecodeServer:
                 await asyncio.to_thread(
                     self.kv_client.release, prefill.kv_address, spec.request_id, 5.0
                 )
-            except Exception:
-                pass
+            except Exception as e:  # the prefill side's hold timeout frees the blocks anyway
+                log.warning(
+                    "KV release for %s at %s failed: %s", spec.request_id, prefill.kv_address, e
+                )
 
     async def generate(
         self, spec: GenerateSpec, prefill: PrefillResult | None = None
@@ -83,6 +89,10 @@ class DecodeServer:
 
     def stats(self) -> EngineStats:
         return self.engine.call(Engine.stats)
+
+    def replica_stats(self) -> ReplicaInfo:
+        """Identity, engine stats and Ray-assigned resources of this replica."""
+        return ReplicaInfo(replica_identity(), self.stats(), assigned_resources())
 
     def set_fail_next_pulls(self, n: int) -> None:
         self.fail_next_pulls = n

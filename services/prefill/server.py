@@ -9,6 +9,8 @@ Request lifecycle on a prefill replica:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvtransfer.source import EngineKVSource
 from kvtransfer.transport import get_transport
 from services.config import ServeConfig
@@ -16,6 +18,31 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine, EngineStats
 from services.engine.request import FinishReason, RequestOutput
 from services.pd_flow import GenerateSpec, PrefillResult
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    identity: str  # host:pid
+    stats: EngineStats
+    resources: dict[str, float]  # what Ray assigned to this worker (its pool placement)
+
+
+def assigned_resources() -> dict[str, float]:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return dict(ray.get_runtime_context().get_assigned_resources())
+    except ImportError:
+        pass
+    return {}
+
+
+def replica_identity() -> str:
+    import os
+    import socket
+
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def node_ip() -> str:
@@ -59,9 +86,11 @@ class PrefillServer:
     def stats(self) -> EngineStats:
         return self.engine.call(Engine.stats)
 
+    def replica_stats(self) -> ReplicaInfo:
+        """Identity, engine stats and Ray-assigned resources of this replica."""
+        return ReplicaInfo(replica_identity(), self.stats(), assigned_resources())
+
     def __del__(self) -> None:
-        try:
-            self.kv_server.stop(0)
-            self.engine.stop()
-        except Exception:
-            pass
+        # NOTE: replicas are torn down by Ray; stop the transport server and the loop thread
+        self.kv_server.stop(0)
+        self.engine.stop()

@@ -1,9 +1,13 @@
-"""The cluster on a real local Ray (one per test session): gateway, prefill pool, decode pool,
-KV over gRPC, through real HTTP."""
+"""The cluster on a real local Ray (one per test module): gateway, prefill pool, decode pool,
+KV over gRPC, through real HTTP. Three apps share the cluster: disaggregated (2 prefill +
+2 decode replicas), colocated, and conditional disaggregation."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
+import time
 
 import httpx
 import pytest
@@ -16,6 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 PORT = 18431
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "SmolLM2-135M-Instruct"
+APPS = {"pdserve": "", "colo": "/colo", "cond": "/cond"}
 
 
 @pytest.fixture(scope="module")
@@ -27,73 +32,184 @@ def cluster():
 
     ray.init(
         num_cpus=2,
-        resources={"prefill_pool": 4, "decode_pool": 4},
+        resources={"prefill_pool": 3, "decode_pool": 4},
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
     )
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    cfg = load_config(
-        overrides={"prefill": {"num_kv_blocks": 256}, "decode": {"num_kv_blocks": 256}}, environ={}
-    )
-    serve.run(build_app(cfg), name="pdserve", route_prefix="/")
+    pools = {"num_kv_blocks": 256}
+    configs = {
+        "pdserve": {"prefill": {**pools, "replicas": 2}, "decode": {**pools, "replicas": 2}},
+        "colo": {"mode": "colocated", "decode": pools},
+        "cond": {"conditional_threshold": 12, "prefill": pools, "decode": pools},
+    }
+    for name, over in configs.items():
+        cfg = load_config(overrides=over, environ={})
+        serve.run(build_app(cfg), name=name, route_prefix=APPS[name] or "/", blocking=False)
+    deadline = time.monotonic() + 300
+    for prefix in APPS.values():
+        while True:
+            try:
+                if httpx.get(f"{BASE}{prefix}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "cluster did not come up"
+            time.sleep(1)
     yield serve
     serve.shutdown()
     ray.shutdown()
 
 
-def _complete(body, stream=False):
+def _complete(body, stream=False, prefix=""):
     body = {"model": MODEL, **body, "stream": stream}
     if not stream:
-        r = httpx.post(f"{BASE}/v1/completions", json=body, timeout=300)
+        r = httpx.post(f"{BASE}{prefix}/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["token_ids"], r.json()
     ids = []
-    with httpx.stream("POST", f"{BASE}/v1/completions", json=body, timeout=300) as r:
+    with httpx.stream("POST", f"{BASE}{prefix}/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                ev = json.loads(line[6:])
-                for ch in ev["choices"]:
+                for ch in json.loads(line[6:])["choices"]:
                     ids.extend(ch["token_ids"])
     return ids, None
 
 
-def test_disaggregated_tokens_equal_single_process(cluster, smollm_engine):
+def _replica_stats(app: str, deployment: str, n_replicas: int) -> dict[str, object]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, app_name=app)
+    seen: dict[str, object] = {}
+    for _ in range(60):
+        info = handle.replica_stats.remote().result()
+        seen[info.identity] = info
+        if len(seen) == n_replicas:
+            break
+    assert len(seen) == n_replicas
+    return seen
+
+
+@pytest.mark.parametrize("app", list(APPS))
+def test_every_mode_gives_single_process_tokens(cluster, smollm_engine, app):
     prompt = smollm_engine.tokenizer.encode(
         "The three most important inventions of the last century are"
     )
     for params in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 42}):
-        sp = SamplingParams(max_tokens=16, ignore_eos=True, **params)
+        sp = SamplingParams(max_tokens=12, ignore_eos=True, **params)
         (want,) = smollm_engine.generate([prompt], sp)
-        got, body = _complete({"prompt": prompt, "max_tokens": 16, "ignore_eos": True, **params})
+        body = {"prompt": prompt, "max_tokens": 12, "ignore_eos": True, **params}
+        got, resp = _complete(body, prefix=APPS[app])
         assert got == want
-        assert body["usage"] == {
+        assert resp["usage"] == {
             "prompt_tokens": len(prompt),
-            "completion_tokens": 16,
-            "total_tokens": len(prompt) + 16,
+            "completion_tokens": 12,
+            "total_tokens": len(prompt) + 12,
         }
-        assert body["pdserve_timing"]["kv_transfer_s"] > 0
-        streamed, _ = _complete(
-            {"prompt": prompt, "max_tokens": 16, "ignore_eos": True, **params}, stream=True
-        )
-        assert streamed == want
+        assert (resp["pdserve_timing"]["kv_transfer_s"] > 0) == (
+            app == "pdserve"
+        )  # cond: prompt is long
+        assert _complete(body, stream=True, prefix=APPS[app])[0] == want
 
 
-def test_text_prompt_and_chat(cluster, smollm_engine):
-    r = httpx.post(
-        f"{BASE}/v1/chat/completions",
-        timeout=300,
-        json={
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 12,
-            "temperature": 0,
-        },
+def test_conditional_short_prompt_skips_the_prefill_pool(cluster, smollm_engine):
+    prompt = smollm_engine.tokenizer.encode("Hi there")  # under the threshold of 12
+    (want,) = smollm_engine.generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     )
-    assert r.status_code == 200, r.text
-    assert "Paris" in r.json()["choices"][0]["message"]["content"]
-    assert httpx.get(f"{BASE}/v1/models").json()["data"][0]["id"] == MODEL
+    got, resp = _complete(
+        {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}, prefix="/cond"
+    )
+    assert got == want and resp["pdserve_timing"]["kv_transfer_s"] == 0
+
+
+def test_32_concurrent_streams_on_two_pools(cluster, smollm_engine):
+    rng = random.Random(7)
+    reqs = [
+        ([rng.randrange(100, 40000) for _ in range(rng.randrange(3, 60))], rng.randrange(2, 9))
+        for _ in range(32)
+    ]
+    want = [
+        smollm_engine.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+        for p, n in reqs
+    ]
+
+    async def one(client, prompt, n):
+        ids = []
+        body = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with client.stream("POST", f"{BASE}/v1/completions", json=body, timeout=600) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for ch in json.loads(line[6:])["choices"]:
+                        ids.extend(ch["token_ids"])
+        return ids
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(one(client, p, n) for p, n in reqs))
+
+    assert asyncio.run(main()) == want
+    decode = _replica_stats("pdserve", "decode", 2)
+    assert all(i.stats.num_steps > 0 for i in decode.values()), "a decode replica got no work"
+    for dep in ("prefill", "decode"):
+        for info in _replica_stats("pdserve", dep, 2).values():
+            s = info.stats
+            assert s.blocks_used == 0 and s.num_running == 0 and s.num_held == 0
+            # placement, from Ray's own data: each replica holds its own pool's resource only
+            assert info.resources.get(f"{dep}_pool") == 1, info.resources
+            other = "decode" if dep == "prefill" else "prefill"
+            assert f"{other}_pool" not in info.resources
+
+
+def test_client_disconnect_frees_blocks(cluster):
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a very long story.",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", f"{BASE}/colo/v1/completions", json=body, timeout=300) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events >= 3:
+                break
+    deadline = time.monotonic() + 60
+    while True:
+        (info,) = _replica_stats("colo", "decode", 1).values()
+        stats = info.stats
+        if stats.blocks_used == 0 and stats.num_running == 0:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.5)
+
+
+def test_openai_client_streams_chat(cluster):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert "Paris" in text
+    assert [m.id for m in client.models.list()] == [MODEL]
     assert "pdserve_ttft_seconds_count" in httpx.get(f"{BASE}/metrics").text
 
 
@@ -107,30 +223,44 @@ def test_text_prompt_and_chat(cluster, smollm_engine):
         ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
     ],
 )
-def test_bad_input_gets_status_and_body(cluster, body, status, param):
-    r = httpx.post(f"{BASE}/v1/completions", json={"model": MODEL, **body}, timeout=60)
-    assert r.status_code == status, r.text
-    assert r.json()["error"]["param"] == param
+def test_bad_input_gets_status_and_body_while_others_stream(cluster, body, status, param):
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as c:
+            good = c.post(
+                f"{BASE}/v1/completions",
+                json={"model": MODEL, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True},
+            )
+            bad = c.post(f"{BASE}/v1/completions", json={"model": MODEL, **body})
+            return await asyncio.gather(good, bad)
+
+    good, bad = asyncio.run(main())
+    assert bad.status_code == status, bad.text
+    assert bad.json()["error"]["param"] == param
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
     r = httpx.post(f"{BASE}/v1/completions", content=b"{not json", timeout=60)
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
 
 
-def test_failed_transfer_is_re_prefilled(cluster, smollm_engine):
+def test_failed_transfer_is_re_prefilled_then_503(cluster, smollm_engine):
     from ray import serve
 
-    decode = serve.get_deployment_handle("decode", app_name="pdserve")
-    decode.set_fail_next_pulls.remote(1).result()
-    prompt = smollm_engine.tokenizer.encode("Once upon a time")
+    decode = serve.get_deployment_handle("decode", app_name="cond")
+    prompt = smollm_engine.tokenizer.encode("Once upon a time, in a land far away, there lived")
     (want,) = smollm_engine.generate(
         [prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     )
-    got, _ = _complete({"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    decode.set_fail_next_pulls.remote(1).result()
+    got, _ = _complete(
+        {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}, prefix="/cond"
+    )
     assert got == want
-    assert "pdserve_kv_reprefills_total 1.0" in httpx.get(f"{BASE}/metrics").text
+    assert "pdserve_kv_reprefills_total 1.0" in httpx.get(f"{BASE}/cond/metrics").text
     decode.set_fail_next_pulls.remote(2).result()
     r = httpx.post(
-        f"{BASE}/v1/completions",
+        f"{BASE}/cond/v1/completions",
         json={"model": MODEL, "prompt": prompt, "max_tokens": 4},
         timeout=300,
     )
-    assert r.status_code == 503
+    assert r.status_code == 503 and "KV transfer failed" in r.json()["error"]["message"]
+    for info in _replica_stats("cond", "prefill", 1).values():
+        assert info.stats.blocks_used == 0 and info.stats.num_held == 0
