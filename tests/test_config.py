@@ -1,0 +1,106 @@
+"""Configuration: YAML < PDSERVE_* environment < flags; bad values name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from services.config import load_config
+from services.engine.errors import InvalidRequestError
+from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, parse
+from services.pd_flow import prefill_on_decode
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_example_yaml_loads_with_the_documented_defaults():
+    cfg = load_config(REPO / "deploy/pdserve.yaml", environ={})
+    assert cfg == load_config(environ={})  # the example file spells out the defaults
+    assert cfg.http_port == 8000 and cfg.mode == "disaggregated"
+    assert cfg.prefill.resource == "prefill_pool" and cfg.decode.resource == "decode_pool"
+
+
+def test_precedence_yaml_env_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("mode: colocated\nhttp_port: 9000\ndecode:\n  replicas: 3\n  threads: 2\n")
+    env = {"PDSERVE_HTTP_PORT": "9100", "PDSERVE_DECODE__REPLICAS": "4", "OTHER": "x"}
+    cfg = load_config(f, {"decode": {"replicas": 5}}, environ=env)
+    assert cfg.mode == "colocated"  # yaml
+    assert cfg.http_port == 9100  # env beats yaml
+    assert cfg.decode.replicas == 5 and cfg.decode.threads == 2  # flag beats env; yaml kept
+    engine_cfg = cfg.engine_config(cfg.decode, "decode")
+    assert engine_cfg.threads == 2 and engine_cfg.role == "decode"
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"mode": "sideways"}, "mode"),
+        ({"http_port": 70000}, "http_port"),
+        ({"prefill": {"replicas": 0}}, "replicas"),
+        ({"decode": {"num_kv_blocks": "many"}}, "num_kv_blocks"),
+        ({"unknown_field": 1}, "unknown_field"),
+    ],
+)
+def test_bad_config_names_the_field(over, field):
+    with pytest.raises(ValidationError, match=field):
+        load_config(overrides=over, environ={})
+
+
+def test_serve_config_file_builds_the_app():
+    import yaml
+
+    from services.app import app_from_env
+
+    spec = yaml.safe_load((REPO / "deploy/serve_config.yaml").read_text())["applications"][0]
+    assert spec["import_path"] == "services.app:app_from_env"
+    args = dict(spec["args"], config=str(REPO / spec["args"]["config"]))
+    app = app_from_env(args)
+    assert type(app).__name__ == "Application"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": "x"}, "model"),
+        ({"model": "m"}, "prompt"),
+        ({"model": "m", "prompt": "x", "max_tokens": "lots"}, "max_tokens"),
+        ({"model": "m", "prompt": [1, "a"]}, "prompt"),
+        ([1, 2], "body"),
+    ],
+)
+def test_openai_bodies_name_the_bad_field(body, field):
+    with pytest.raises(InvalidRequestError) as e:
+        parse(CompletionRequest, body)
+    assert e.value.field.split(".")[0] == field
+
+
+def test_chat_body_translates_to_sampling_params():
+    req = parse(
+        ChatCompletionRequest,
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 0,
+            "stop": "END",
+            "seed": 3,
+            "logprobs": True,
+        },
+    )
+    p = req.sampling_params(100, req.logprobs)
+    assert (p.greedy, p.stop, p.seed, p.max_tokens, p.logprobs) == (True, ("END",), 3, 100, True)
+    with pytest.raises(InvalidRequestError, match="n"):
+        parse(CompletionRequest, {"model": "m", "prompt": "x", "n": 2}).sampling_params(1, False)
+    with pytest.raises(InvalidRequestError) as e:
+        parse(ChatCompletionRequest, {"model": "m", "messages": []})
+    assert e.value.field == "messages"
+
+
+def test_conditional_disaggregation_rule():
+    assert prefill_on_decode("colocated", 1000, 0, 0)
+    assert not prefill_on_decode("disaggregated", 5, 0, 0)  # threshold 0: never
+    assert prefill_on_decode("disaggregated", 5, 0, 12)
+    assert not prefill_on_decode("disaggregated", 40, 0, 12)
+    assert prefill_on_decode("disaggregated", 40, 32, 12)  # only 8 tokens left uncached
