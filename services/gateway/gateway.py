@@ -135,6 +135,9 @@ class Gateway:
     def spec(self, prompt_ids: list[int], params: SamplingParams) -> GenerateSpec:
         if not prompt_ids:
             raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        if not all(0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",

@@ -32,7 +32,8 @@ def build_http_app(gw: Gateway) -> FastAPI:
     @app.exception_handler(InvalidRequestError)
     async def _bad(_: Request, e: InvalidRequestError) -> JSONResponse:
         gw.metrics.requests.labels("invalid").inc()
-        return error_body(400, str(e), e.field)
+        # NOTE: errors raised inside a replica arrive wrapped by Ray (a subclass of the cause)
+        return error_body(400, str(e), getattr(e, "field", None))
 
     @app.exception_handler(LookupError)
     async def _missing(_: Request, e: LookupError) -> JSONResponse:

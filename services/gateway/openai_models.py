@@ -69,5 +69,12 @@ def parse(model: type[_Sampling], body: object) -> _Sampling:
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "body"
+        # NOTE: pydantic puts union branch tags ("str", "list[int]") into the location; the
+        # client named the field, not the branch.
+        parts = [str(x) for x in err["loc"] if not _is_union_tag(x)]
+        field = ".".join(parts) or "body"
         raise InvalidRequestError(field, err["msg"]) from None
+
+
+def _is_union_tag(x: object) -> bool:
+    return isinstance(x, str) and (x in {"str", "int", "float", "bool", "none"} or "[" in x)

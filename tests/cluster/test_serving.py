@@ -221,6 +221,9 @@ def test_openai_client_streams_chat(cluster):
         ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+        ({"prompt": [1, 999999]}, 400, "prompt"),
+        ({"prompt": "hi", "top_p": 3}, 400, "top_p"),
+        ({"prompt": "hi", "stop": 5}, 400, "stop"),
     ],
 )
 def test_bad_input_gets_status_and_body_while_others_stream(cluster, body, status, param):
