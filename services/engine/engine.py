@@ -35,7 +35,7 @@ from services.engine.model import LlamaModel
 from services.engine.model_runner import ModelRunner
 from services.engine.request import FinishReason, Request, RequestOutput, Status
 from services.engine.sampler import sample
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import SamplingParams, check_prompt
 from services.engine.scheduler import Scheduler
 from services.engine.stop import StopChecker
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -333,24 +333,7 @@ class Engine:
 
     # ---- internals -----------------------------------------------------------------------
     def _validate_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        if not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt
-        ):
-            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"has {len(prompt)} tokens; the model's context is {self.max_model_len} tokens",
-            )
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context of {self.max_model_len} tokens",
-            )
+        check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
         need = self.blocks.blocks_needed(len(prompt) + params.max_tokens)
         if need > self.blocks.num_blocks:
             raise InvalidRequestError(

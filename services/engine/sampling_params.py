@@ -96,3 +96,27 @@ class SamplingParams:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_prompt(
+    prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> None:
+    """The prompt checks shared by the engine and the gateway; raises InvalidRequestError."""
+    from services.engine.errors import InvalidRequestError
+
+    if not prompt:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt
+    ):
+        raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab_size})")
+    if len(prompt) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt", f"has {len(prompt)} tokens; the model's context is {max_model_len} tokens"
+        )
+    if len(prompt) + params.max_tokens > max_model_len:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"model's context of {max_model_len} tokens",
+        )

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from services.config import ServeConfig
 from services.engine.errors import InvalidRequestError
 from services.engine.loader import read_model_config, resolve_model
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import SamplingParams, check_prompt
 from services.engine.tokenizer import Tokenizer
 from services.pd_flow import GenerateSpec, KVTransferFailedError, TokenChunk, prefill_on_decode
 
@@ -133,22 +133,7 @@ class Gateway:
         return list(prompt)
 
     def spec(self, prompt_ids: list[int], params: SamplingParams) -> GenerateSpec:
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        if not all(0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}",
-            )
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {self.max_model_len} tokens",
-            )
+        check_prompt(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
         if params.seed is None:
             # NOTE: a seed chosen here makes the prefill, decode and any re-prefill replica all
             # sample the same continuation.
