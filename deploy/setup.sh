@@ -3,6 +3,16 @@
 # Idempotent: a second run only checks that the pins are satisfied.
 #   PDSERVE_GPU=1   install the CUDA build of torch and Triton (GPU machines)
 set -euo pipefail
+# redis-server (Debian's package) backs the Redis prefix index; the tests start their own.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q redis-server >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
+  else
+    echo "deploy/setup.sh: redis-server not found; the Redis tests need it (apt-get install redis-server)" >&2
+  fi
+fi
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py="${PYTHON:-python3}"
