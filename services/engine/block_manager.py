@@ -60,7 +60,20 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}
 
+    def set_listeners(
+        self,
+        on_cached: Callable[[BlockHash], None] | None,
+        on_evicted: Callable[[BlockHash], None] | None,
+    ) -> None:
+        """Hooks called with a hash when it enters / leaves the prefix cache."""
+        self._on_cached = on_cached
+        self._on_evicted = on_evicted
+
     # ---- queries -------------------------------------------------------------------------
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash now in the prefix cache (a snapshot, for resynchronizing an index)."""
+        return list(self._cached)
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks that an allocation may take (free plus evictable cached)."""
