@@ -152,11 +152,17 @@ def hf_greedy(
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server on a free loopback port, with a password; stopped by its pid."""
-    import shutil
+def free_port() -> int:
     import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(port: int, password: str | None = None, workdir: Path | None = None) -> Any:
+    """Start a real redis-server on loopback and wait until it answers; returns the Popen."""
+    import shutil
     import subprocess
     import time
 
@@ -164,38 +170,46 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     exe = shutil.which("redis-server")
     assert exe, "redis-server is not installed (deploy/setup.sh installs it)"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--requirepass",
-            "s3cret",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://:s3cret@127.0.0.1:{port}/0"
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    if password:
+        args += ["--requirepass", password]
+    if workdir is not None:
+        args += ["--dir", str(workdir)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    auth = f":{password}@" if password else ""
     deadline = time.monotonic() + 20
     while True:
         try:
-            redis.Redis.from_url(url, socket_timeout=0.5).ping()
-            break
+            redis.Redis.from_url(f"redis://{auth}127.0.0.1:{port}/0", socket_timeout=0.5).ping()
+            return proc
         except redis.RedisError:
             assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.1)
-    yield url
+
+
+def wait_until_ok(url: str, timeout_s: float, proc: Any = None) -> None:
+    """Poll ``url`` until it answers 200; fail if ``proc`` exits or the deadline passes."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc is None or proc.poll() is None, f"the server exited while waiting for {url}"
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not come up within {timeout_s} s"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on a free loopback port, with a password; stopped by its pid."""
+    port = free_port()
+    proc = start_redis(port, "s3cret", tmp_path_factory.mktemp("redis"))
+    yield f"redis://:s3cret@127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(timeout=10)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,17 +12,13 @@ import time
 import httpx
 import pytest
 
+from tests.fixtures import free_port, wait_until_ok
+
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - outlives the Popen call below
     proc = subprocess.Popen(
         [
@@ -44,15 +39,7 @@ def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):
     )
     try:
         deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "pdserve serve did not come up"
-            time.sleep(1)
+        wait_until_ok(f"http://127.0.0.1:{port}/health", 240, proc)
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             timeout=300,

@@ -75,25 +75,22 @@ class RedisIndex:
         self._ttl_ms: dict[str, int] = {}
 
     def add(self, replica: str, hashes: Sequence[BlockHash]) -> None:
-        if not hashes:
-            return
-        hexes = [h.hex() for h in hashes]
-        p = self._r.pipeline(transaction=False)
-        for h in hexes:
-            p.sadd(f"{self.ns}:block:{h}", replica)
-        p.sadd(f"{self.ns}:replica:{replica}", *hexes)
-        if replica in self._ttl_ms:
-            p.pexpire(f"{self.ns}:replica:{replica}", self._ttl_ms[replica])
-        p.execute()
+        self._update(replica, hashes, add=True)
 
     def evict(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        self._update(replica, hashes, add=False)
+
+    def _update(self, replica: str, hashes: Sequence[BlockHash], add: bool) -> None:
         if not hashes:
             return
         hexes = [h.hex() for h in hashes]
         p = self._r.pipeline(transaction=False)
+        op = p.sadd if add else p.srem
         for h in hexes:
-            p.srem(f"{self.ns}:block:{h}", replica)
-        p.srem(f"{self.ns}:replica:{replica}", *hexes)
+            op(f"{self.ns}:block:{h}", replica)
+        op(f"{self.ns}:replica:{replica}", *hexes)
+        if add and replica in self._ttl_ms:
+            p.pexpire(f"{self.ns}:replica:{replica}", self._ttl_ms[replica])
         p.execute()
 
     def drop_replica(self, replica: str) -> None:

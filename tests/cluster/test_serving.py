@@ -14,6 +14,7 @@ import pytest
 
 from services.config import load_config
 from services.engine.sampling_params import SamplingParams
+from tests.fixtures import wait_until_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -47,16 +48,8 @@ def cluster():
     for name, over in configs.items():
         cfg = load_config(overrides=over, environ={})
         serve.run(build_app(cfg), name=name, route_prefix=APPS[name] or "/", blocking=False)
-    deadline = time.monotonic() + 300
     for prefix in APPS.values():
-        while True:
-            try:
-                if httpx.get(f"{BASE}{prefix}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "cluster did not come up"
-            time.sleep(1)
+        wait_until_ok(f"{BASE}{prefix}/health", 300)
     yield serve
     serve.shutdown()
     ray.shutdown()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
 import uuid
 
@@ -14,6 +11,7 @@ from services.engine.block_hash import hash_blocks
 from services.engine.sampling_params import SamplingParams
 from services.prefix_index import get_index
 from services.prefix_index.publisher import IndexPublisher, unique_replica_id
+from tests.fixtures import free_port, start_redis
 
 PROMPT = list(range(3, 3 + 40))  # 10 full blocks of 4
 
@@ -50,31 +48,9 @@ def test_cached_blocks_are_published_and_evictions_removed(make_engine, index):
     assert index.lookup(hash_blocks(PROMPT, 4)) == {}  # a stopped replica leaves nothing
 
 
-def _start_redis(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            shutil.which("redis-server") or "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    time.sleep(0.3)
-    return proc
-
-
 def test_redis_outage_is_counted_and_resynced(make_engine):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = _start_redis(port)
+    port = free_port()
+    proc = start_redis(port)
     index = get_index("redis", f"redis://127.0.0.1:{port}/0")
     eng = make_engine(num_kv_blocks=64)
     pub = _publish(eng, index, ttl_s=0.6)
@@ -88,7 +64,7 @@ def test_redis_outage_is_counted_and_resynced(make_engine):
         while pub.errors == 0:
             assert time.monotonic() < deadline, "the outage was not noticed"
             time.sleep(0.05)
-        proc = _start_redis(port)  # Redis is back, empty
+        proc = start_redis(port)  # Redis is back, empty
         assert pub.flush(timeout_s=10)
         assert index.lookup(hash_blocks(PROMPT, 4)) == {pub.replica_id: 10}
     finally:
