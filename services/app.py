@@ -10,12 +10,15 @@ import os
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from services.config import PoolConfig, ServeConfig, load_config
 from services.decode.server import DecodeServer
 from services.gateway.gateway import Gateway
 from services.gateway.http_api import build_http_app
 from services.prefill.server import PrefillServer
+from services.prefix_index.server import IndexServer
+from services.router import PdRequestRouter
 
 
 def _actor_options(pool: PoolConfig) -> dict[str, Any]:
@@ -36,6 +39,16 @@ class _GatewayIngress(Gateway):
 
 
 def build_app(cfg: ServeConfig):  # -> serve Application
+    # the in-process prefix index lives in its own small deployment (see prefix_index.server)
+    index = None
+    if cfg.routing == "prefix_aware" and not cfg.redis_url:
+        index = serve.deployment(
+            IndexServer, name="prefix_index", num_replicas=1, ray_actor_options={"num_cpus": 0}
+        ).bind()
+    router = RequestRouterConfig(
+        request_router_class=PdRequestRouter,
+        request_routing_stats_period_s=cfg.routing_stats_period_s,
+    )
     decode_role = "both" if cfg.mode == "colocated" else "decode"
     decode = serve.deployment(
         DecodeServer,
@@ -43,7 +56,8 @@ def build_app(cfg: ServeConfig):  # -> serve Application
         num_replicas=cfg.decode.replicas,
         ray_actor_options=_actor_options(cfg.decode),
         max_ongoing_requests=cfg.decode.max_num_seqs,
-    ).bind(cfg, decode_role)
+        request_router_config=router,
+    ).bind(cfg, decode_role, index)
     if cfg.mode == "colocated":
         prefill = None
     else:
@@ -53,14 +67,15 @@ def build_app(cfg: ServeConfig):  # -> serve Application
             num_replicas=cfg.prefill.replicas,
             ray_actor_options=_actor_options(cfg.prefill),
             max_ongoing_requests=cfg.prefill.max_num_seqs,
-        ).bind(cfg)
+            request_router_config=router,
+        ).bind(cfg, index)
     gateway = serve.deployment(
         serve.ingress()(_GatewayIngress),
         name="gateway",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=1000,
     )
-    return gateway.bind(prefill, decode, cfg)
+    return gateway.bind(prefill, decode, cfg, index)
 
 
 def app_from_env(args: dict[str, Any]):  # -> serve Application

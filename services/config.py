@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.engine.config import EngineConfig
 
@@ -59,6 +59,31 @@ class ServeConfig(BaseModel):
     )
     request_timeout_s: float = Field(600.0, gt=0, description="longest a request may run")
     ray_address: str | None = Field(None, description="join this Ray cluster; None = start one")
+    routing: Literal["prefix_aware", "least_loaded"] = Field(
+        "prefix_aware",
+        description="prefill replica choice: cached prefix against queued work, or load only",
+    )
+    redis_url: str | None = Field(
+        None,
+        description="prefix index in Redis (redis://host:port/db, rediss:// for TLS); "
+        "None = the in-process index of the application",
+    )
+    redis_password: SecretStr | None = Field(
+        None, description="Redis password (PDSERVE_REDIS_PASSWORD; overrides one in the URL)"
+    )
+    redis_ca_cert: str | None = Field(None, description="CA bundle to verify a rediss:// server")
+    index_namespace: str = Field(
+        "pdserve", min_length=1, description="Redis key prefix (the app name is appended)"
+    )
+    index_lease_ttl_s: float = Field(
+        10.0, gt=0, description="a replica's index entries vanish this long after it dies"
+    )
+    index_retry_s: float = Field(
+        1.0, gt=0, description="after an index error, route by load only for this long"
+    )
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="how often replicas report load to the request router"
+    )
     prefill: PoolConfig = PoolConfig(resource="prefill_pool")
     decode: PoolConfig = PoolConfig(resource="decode_pool")
 

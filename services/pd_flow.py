@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from services.engine.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class PrefillResult:
     kv_address: str | None  # transport address of the replica holding the KV (None if finished)
     queue_s: float
     prefill_s: float
+    num_cached_tokens: int = 0  # prompt tokens served from this replica's prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +56,16 @@ def prefill_on_decode(
 
 class KVTransferFailedError(RuntimeError):
     """A KV pull failed or timed out; the gateway re-prefills once, then answers 503."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteHint:
+    """What the gateway tells the request router about a call (the ``route`` keyword of
+    ``prefill`` / ``generate``; see ``services.router``). Replicas ignore it."""
+
+    prompt_tokens: int
+    # index replica id -> prompt tokens that replica holds in its prefix cache
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    computes_prompt: bool = True  # False: the KV arrives from a prefill replica
+    kv_blocks: int = 0  # blocks the request needs on the replica
+    prefix_aware: bool = True  # False: least-loaded routing (the baseline)

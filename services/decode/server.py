@@ -15,25 +15,32 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any, Literal
 
 from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
 from services.config import ServeConfig
-from services.engine.async_engine import AsyncEngine
-from services.engine.engine import Engine, EngineStats
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from services.engine.kv_handle import KVHandle
-from services.pd_flow import GenerateSpec, KVTransferFailedError, PrefillResult, TokenChunk
-from services.prefill.server import ReplicaInfo, assigned_resources, replica_identity
+from services.pd_flow import (
+    GenerateSpec,
+    KVTransferFailedError,
+    PrefillResult,
+    RouteHint,
+    TokenChunk,
+)
+from services.replica import EngineReplica, open_index
 
 log = logging.getLogger(__name__)
 
 
-class DecodeServer:
-    def __init__(self, cfg: ServeConfig, role: str = "decode") -> None:
-        self.cfg = cfg
-        engine = Engine.from_path(cfg.model, cfg.engine_config(cfg.decode, role))  # type: ignore[arg-type]
-        self.engine = AsyncEngine(engine, stall_timeout_s=cfg.request_timeout_s)
+class DecodeServer(EngineReplica):
+    """Args: role: ``decode``, or ``both`` in colocated mode; index_handle: see PrefillServer."""
+
+    def __init__(
+        self, cfg: ServeConfig, role: Literal["both", "decode"] = "decode", index_handle: Any = None
+    ) -> None:
+        super().__init__(cfg, cfg.decode, role, open_index(cfg, index_handle))
         self.kv_client = get_transport(cfg.kv_transport).client()
         # test hook: when set, the next KV pull fails as a lost transfer would
         self.fail_next_pulls = 0
@@ -64,8 +71,12 @@ class DecodeServer:
                 )
 
     async def generate(
-        self, spec: GenerateSpec, prefill: PrefillResult | None = None
+        self,
+        spec: GenerateSpec,
+        prefill: PrefillResult | None = None,
+        route: RouteHint | None = None,
     ) -> AsyncIterator[TokenChunk]:
+        """``route`` is read by the request router in the caller's process, not here."""
         handle = None
         transfer_s = 0.0
         if prefill is not None:
@@ -87,12 +98,9 @@ class DecodeServer:
             )
             transfer_s = 0.0
 
-    def stats(self) -> EngineStats:
-        return self.engine.call(Engine.stats)
-
-    def replica_stats(self) -> ReplicaInfo:
-        """Identity, engine stats and Ray-assigned resources of this replica."""
-        return ReplicaInfo(replica_identity(), self.stats(), assigned_resources())
-
     def set_fail_next_pulls(self, n: int) -> None:
         self.fail_next_pulls = n
+
+    def __del__(self) -> None:
+        # NOTE: replicas are torn down by Ray; stop the publisher and the loop thread
+        self.shutdown()

@@ -53,6 +53,7 @@ class EngineStats:
     blocks_used: int
     blocks_cached: int
     prompt_tokens_computed: int  # prefill work actually done (cache hits excluded)
+    prefill_tokens_queued: int  # prompt tokens admitted but not computed yet (routing load)
     prefix_hit_tokens: int
     num_preemptions: int
     num_steps: int
@@ -323,6 +324,10 @@ class Engine:
             blocks_used=self.blocks.num_used_blocks,
             blocks_cached=self.blocks.num_cached_blocks,
             prompt_tokens_computed=self._prompt_tokens_computed,
+            prefill_tokens_queued=sum(
+                max(0, r.num_prompt - r.num_computed)
+                for r in (*self.scheduler.waiting, *self.scheduler.running)
+            ),
             prefix_hit_tokens=self._prefix_hit_tokens,
             num_preemptions=self._num_preemptions,
             num_steps=self._num_steps,

@@ -2,33 +2,47 @@
 
 Request lifecycle through the gateway (disaggregated mode):
 1. Validate the body, tokenize once (chat template for chat), refuse prompts over the context.
-2. Pick the path: prefill pool then decode pool, or straight to the decode pool (colocated
-   mode, or a prompt shorter than ``conditional_threshold``).
+2. Look the prompt's full blocks up in the prefix index (one round trip; hashed with the
+   engine's own hash module). Pick the path: prefill pool then decode pool, or straight to
+   the decode pool (colocated mode, or an *uncached* length, prompt minus the prefix the best
+   decode replica holds, under ``conditional_threshold``). The hits go to the request
+   router (``services.router``) with each call, which picks the replica.
 3. Prefill replica: first token + where its KV is held. Stream the first token to the client.
 4. Decode replica: pulls the KV over the transport and streams the rest. A failed transfer is
    re-prefilled once, then the request fails with 503.
 5. Record timings (queue, prefill, KV transfer, TTFT, every inter-token gap) as metrics.
-Replica choice is Ray Serve's own load-aware routing for now (the prefix-aware router is a
-later change).
+If the index fails (Redis down), routing falls back to load only for ``index_retry_s`` at a
+time, counted in ``pdserve_prefix_index_errors`` and logged once per outage; serving goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.config import ServeConfig
+from services.engine.block_hash import hash_blocks
 from services.engine.errors import InvalidRequestError
 from services.engine.loader import read_model_config, resolve_model
 from services.engine.sampling_params import SamplingParams, check_prompt
 from services.engine.tokenizer import Tokenizer
-from services.pd_flow import GenerateSpec, KVTransferFailedError, TokenChunk, prefill_on_decode
+from services.pd_flow import (
+    GenerateSpec,
+    KVTransferFailedError,
+    RouteHint,
+    TokenChunk,
+    prefill_on_decode,
+)
+from services.replica import open_index
+
+log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -44,6 +58,8 @@ class Timing:
     prefill_s: float = 0.0
     kv_transfer_s: float = 0.0
     ttft_s: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefilled: bool = False
     itls: list[float] = field(default_factory=list)
     last: float | None = None
 
@@ -61,6 +77,7 @@ class Timing:
             "prefill_s": self.prefill_s,
             "kv_transfer_s": self.kv_transfer_s,
             "ttft_s": self.ttft_s,
+            "num_cached_tokens": self.num_cached_tokens,
             "itl_mean_s": sum(self.itls) / len(self.itls) if self.itls else None,
             "e2e_s": (self.last or time.perf_counter()) - self.start,
         }
@@ -92,6 +109,47 @@ class Metrics:
         self.reprefills = Counter(
             "pdserve_kv_reprefills", "requests re-prefilled after a failed KV transfer", registry=r
         )
+        # prefix cache across the cluster; hit rates = hit / prompt tokens, hit / requests
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "pdserve_prefix_hit_tokens",
+            "prompt tokens served from a prefix cache (prefill compute saved)",
+            registry=r,
+        )
+        self.prefix_requests = Counter(
+            "pdserve_prefix_requests",
+            "prefilled requests, by prefix cache hit",
+            ["hit"],
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "pdserve_prefix_hit_rate", "prefix hit rate since start", ["unit"], registry=r
+        )
+        self.lookup = Histogram(
+            "pdserve_prefix_lookup_seconds",
+            "prefix index lookup latency",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1),
+            registry=r,
+        )
+        self.index_errors = Counter(
+            "pdserve_prefix_index_errors", "failed prefix index lookups", registry=r
+        )
+        self.index_up = Gauge(
+            "pdserve_prefix_index_up", "1 while routing uses the prefix index", registry=r
+        )
+        self._hits = [0, 0, 0, 0]  # hit tokens, prompt tokens, hit requests, requests
+
+    def observe_prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prefix_hit_tokens.inc(cached_tokens)
+        self.prefix_requests.labels(str(cached_tokens > 0).lower()).inc()
+        h = self._hits
+        h[0] += cached_tokens
+        h[1] += prompt_tokens
+        h[2] += cached_tokens > 0
+        h[3] += 1
+        self.prefix_hit_rate.labels("tokens").set(h[0] / max(1, h[1]))
+        self.prefix_hit_rate.labels("requests").set(h[2] / h[3])
 
     def observe(self, t: Timing) -> None:
         if t.ttft_s is not None:
@@ -106,17 +164,23 @@ class Metrics:
 
 class Gateway:
     """Args: handles to the prefill and decode deployments (Ray Serve handles, or any object
-    with the same ``.remote`` / ``.options`` surface)."""
+    with the same ``.remote`` / ``.options`` surface); index_handle: the application's
+    ``prefix_index`` deployment when the index is in-process (no ``redis_url``)."""
 
-    def __init__(self, prefill: Any, decode: Any, cfg: ServeConfig) -> None:
+    def __init__(
+        self, prefill: Any, decode: Any, cfg: ServeConfig, index_handle: Any = None
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.cfg = cfg
+        self.index = open_index(cfg, index_handle)
+        self._index_down_until = 0.0  # monotonic; > now while routing ignores the index
         folder, self.model_id = resolve_model(cfg.model)
         self.model_config = read_model_config(folder)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.max_model_len = self.model_config.max_position_embeddings
         self.metrics = Metrics()
+        self.metrics.index_up.set(1 if self.index is not None else 0)
 
     # ---- request shaping (pure) ----------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -144,12 +208,22 @@ class Gateway:
     async def generate(self, spec: GenerateSpec, timing: Timing) -> AsyncIterator[TokenChunk]:
         """Streams every token of the request, first token included."""
         deadline = self.cfg.request_timeout_s
+        n = len(spec.prompt_ids)
+        cached = await self.lookup(spec.prompt_ids)
+        on_decode = {k: v for k, v in cached.items() if k.startswith("decode-")}
         direct = prefill_on_decode(
-            self.cfg.mode, len(spec.prompt_ids), 0, self.cfg.conditional_threshold
+            self.cfg.mode, n, max(on_decode.values(), default=0), self.cfg.conditional_threshold
         )
+        blocks = -(-(n + spec.params.max_tokens) // self.cfg.block_size)
+        aware = self.cfg.routing == "prefix_aware"
+        if direct:
+            decode_route = RouteHint(n, on_decode, True, blocks, aware)
+        else:
+            decode_route = RouteHint(n, {}, False, blocks, aware)
+            prefill_route = RouteHint(n, cached, True, blocks, aware)
         prefill = None
         if not direct:
-            prefill = await self._prefill(spec, timing)
+            prefill = await self._prefill(spec, timing, prefill_route)
             timing.token()
             yield TokenChunk(
                 (prefill.first_token,),
@@ -160,9 +234,15 @@ class Gateway:
             if prefill.finish_reason is not None:
                 return
         for attempt in range(2):
-            gen = self.decode.options(method_name="generate", stream=True).remote(spec, prefill)
+            gen = self.decode.options(method_name="generate", stream=True).remote(
+                spec, prefill, route=decode_route
+            )
+            first = True
             try:
                 async for chunk in _with_deadline(gen, deadline):
+                    if first and prefill is None:  # prefilled on the decode replica
+                        self._observe_prefix(n, chunk.num_cached_tokens, timing)
+                    first = False
                     timing.kv_transfer_s += chunk.kv_transfer_s
                     if chunk.token_ids:
                         timing.token()
@@ -172,20 +252,57 @@ class Gateway:
                 if attempt == 1:
                     raise ServiceUnavailableError(f"KV transfer failed twice: {e}") from None
                 self.metrics.reprefills.inc()
-                prefill = await self._prefill(spec, timing)  # same seed: same first token
+                prefill = await self._prefill(spec, timing, prefill_route)  # same seed: same token
             finally:
                 gen.cancel()
 
-    async def _prefill(self, spec: GenerateSpec, timing: Timing):  # -> PrefillResult
+    async def _prefill(
+        self, spec: GenerateSpec, timing: Timing, route: RouteHint
+    ):  # -> PrefillResult
         try:
             result = await asyncio.wait_for(
-                self.prefill.prefill.remote(spec), timeout=self.cfg.request_timeout_s
+                self.prefill.prefill.remote(spec, route=route), timeout=self.cfg.request_timeout_s
             )
         except TimeoutError:
             raise ServiceUnavailableError("prefill did not answer before the deadline") from None
         timing.queue_s = result.queue_s
         timing.prefill_s = result.prefill_s
+        self._observe_prefix(len(spec.prompt_ids), result.num_cached_tokens, timing)
         return result
+
+    def _observe_prefix(self, prompt_tokens: int, cached_tokens: int, timing: Timing) -> None:
+        # NOTE: what the replica's engine actually reused, not what the index predicted
+        if not timing.prefilled:  # a re-prefill is not a second request
+            self.metrics.observe_prefix(prompt_tokens, cached_tokens)
+        timing.prefilled = True
+        timing.num_cached_tokens = cached_tokens
+
+    async def lookup(self, prompt_ids: Sequence[int]) -> dict[str, int]:
+        """Index replica id -> prompt tokens it holds; {} when routing by load only.
+
+        Hashes ``prompt[:-1]``: the engine always computes the last prompt token (its logits
+        give the first token), so exactly these blocks are reusable."""
+        if self.index is None or time.monotonic() < self._index_down_until:
+            return {}
+        hashes = hash_blocks(prompt_ids[:-1], self.cfg.block_size)
+        if not hashes:
+            return {}
+        t = time.perf_counter()
+        try:
+            found = await asyncio.to_thread(self.index.lookup, hashes)
+        except Exception as e:  # Redis down, timeout, index replica gone: route by load
+            self.metrics.index_errors.inc()
+            if self._index_down_until == 0.0:
+                log.warning("prefix index unavailable (%s); routing by load only", e)
+            self._index_down_until = time.monotonic() + self.cfg.index_retry_s
+            self.metrics.index_up.set(0)
+            return {}
+        self.metrics.lookup.observe(time.perf_counter() - t)
+        if self._index_down_until != 0.0:
+            log.warning("prefix index is back; prefix-aware routing resumed")
+            self._index_down_until = 0.0
+            self.metrics.index_up.set(1)
+        return {r: nb * self.cfg.block_size for r, nb in found.items()}
 
 
 async def _with_deadline(gen: Any, timeout_s: float) -> AsyncIterator[Any]:

@@ -123,7 +123,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
                 "created": created,
                 "model": gw.model_id,
                 "choices": [choice],
-                "usage": usage(len(spec.prompt_ids), len(ids)),
+                "usage": usage(len(spec.prompt_ids), len(ids), timing.num_cached_tokens),
                 "pdserve_timing": timing.as_dict(),
             }
         # NOTE: start the flow before answering 200, so prefill errors still get a status code.
@@ -176,7 +176,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
                 "created": created,
                 "model": gw.model_id,
                 "choices": [],
-                "usage": usage(len(spec.prompt_ids), n_out),
+                "usage": usage(len(spec.prompt_ids), n_out, timing.num_cached_tokens),
                 "pdserve_timing": timing.as_dict(),
             }
             yield "data: " + json.dumps(tail) + "\n\n"
@@ -198,9 +198,10 @@ def build_http_app(gw: Gateway) -> FastAPI:
     return app
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }

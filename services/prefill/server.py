@@ -9,62 +9,28 @@ Request lifecycle on a prefill replica:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 from kvtransfer.source import EngineKVSource
 from kvtransfer.transport import get_transport
 from services.config import ServeConfig
-from services.engine.async_engine import AsyncEngine
-from services.engine.engine import Engine, EngineStats
 from services.engine.request import FinishReason, RequestOutput
-from services.pd_flow import GenerateSpec, PrefillResult
+from services.pd_flow import GenerateSpec, PrefillResult, RouteHint
+from services.replica import EngineReplica, node_ip, open_index
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaInfo:
-    identity: str  # host:pid
-    stats: EngineStats
-    resources: dict[str, float]  # what Ray assigned to this worker (its pool placement)
+class PrefillServer(EngineReplica):
+    """Args: index_handle: the application's ``prefix_index`` deployment (in-process index);
+    unused when ``cfg.redis_url`` is set."""
 
-
-def assigned_resources() -> dict[str, float]:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return dict(ray.get_runtime_context().get_assigned_resources())
-    except ImportError:
-        pass
-    return {}
-
-
-def replica_identity() -> str:
-    import os
-    import socket
-
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
-
-
-class PrefillServer:
-    def __init__(self, cfg: ServeConfig) -> None:
-        engine = Engine.from_path(cfg.model, cfg.engine_config(cfg.prefill, "prefill"))
-        self.engine = AsyncEngine(engine, stall_timeout_s=cfg.request_timeout_s)
+    def __init__(self, cfg: ServeConfig, index_handle: Any = None) -> None:
+        super().__init__(cfg, cfg.prefill, "prefill", open_index(cfg, index_handle))
         self.kv_server = get_transport(cfg.kv_transport).serve(
-            EngineKVSource(engine, self.engine.lock), node_ip(), 0
+            EngineKVSource(self.engine.engine, self.engine.lock), node_ip(), 0
         )
 
-    async def prefill(self, spec: GenerateSpec) -> PrefillResult:
+    async def prefill(self, spec: GenerateSpec, route: RouteHint | None = None) -> PrefillResult:
+        """``route`` is read by the request router in the caller's process, not here."""
         out: RequestOutput | None = None
         async for o in self.engine.generate(
             spec.request_id, spec.prompt_ids, spec.params, prefill_only=True
@@ -81,16 +47,10 @@ class PrefillServer:
             kv_address=self.kv_server.address if held else None,
             queue_s=out.queue_s or 0.0,
             prefill_s=out.prefill_s or 0.0,
+            num_cached_tokens=out.num_cached_tokens,
         )
-
-    def stats(self) -> EngineStats:
-        return self.engine.call(Engine.stats)
-
-    def replica_stats(self) -> ReplicaInfo:
-        """Identity, engine stats and Ray-assigned resources of this replica."""
-        return ReplicaInfo(replica_identity(), self.stats(), assigned_resources())
 
     def __del__(self) -> None:
         # NOTE: replicas are torn down by Ray; stop the transport server and the loop thread
         self.kv_server.stop(0)
-        self.engine.stop()
+        self.shutdown()

@@ -6,7 +6,7 @@ contract suite (tests/prefix_index/).
 
 Contract:
 - ``add`` / ``evict`` record and remove a replica's blocks; ``drop_replica`` removes all of them.
-- ``heartbeat(replica, ttl_s)`` holds a lease; a replica whose lease has expired is invisible to
+- ``heartbeat(replica, ttl_s)`` holds a lease and says whether it was still held; a replica whose lease has expired is invisible to
   ``lookup`` (and its entries are cleaned up), so a dead replica's entries go away on their own.
 - replica ids are unique per replica *start* (a per-process nonce), so entries a dead replica
   left behind can never be mistaken for a restarted one's; they stay invisible and are cleaned
@@ -30,7 +30,10 @@ class PrefixIndex(Protocol):
 
     def drop_replica(self, replica: str) -> None: ...
 
-    def heartbeat(self, replica: str, ttl_s: float) -> None: ...
+    def heartbeat(self, replica: str, ttl_s: float) -> bool:
+        """Hold (or renew) the lease; False when the lease had lapsed or never existed, i.e.
+        the index may have lost this replica's entries (expiry, a restarted index)."""
+        ...
 
     def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         """Replica -> number of leading blocks of ``hashes`` it holds (live replicas only)."""

@@ -33,9 +33,12 @@ class MemoryIndex:
             self._by_replica.pop(replica, None)
             self._leases.pop(replica, None)
 
-    def heartbeat(self, replica: str, ttl_s: float) -> None:
+    def heartbeat(self, replica: str, ttl_s: float) -> bool:
+        now = time.monotonic()
         with self._lock:
-            self._leases[replica] = time.monotonic() + ttl_s
+            held = self._leases.get(replica, 0.0) > now
+            self._leases[replica] = now + ttl_s
+            return held
 
     def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         now = time.monotonic()

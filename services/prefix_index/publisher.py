@@ -2,7 +2,7 @@
 
 Invariants: the engine thread only appends to a deque (never waits on Redis); a background
 thread batches the events, refreshes the replica's lease every ``ttl_s / 3``, and after any
-index error resynchronizes the replica's whole entry set from a snapshot (so a Redis outage
+index error, a lapsed lease or an index that lost its data (restarted) resynchronizes the replica's whole entry set from a snapshot (so a Redis outage
 leaves no stale or missing entries once Redis is back). Errors are logged and counted.
 """
 
@@ -79,7 +79,8 @@ class IndexPublisher:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.index.heartbeat(self.replica_id, self.ttl_s)
+                if not self.index.heartbeat(self.replica_id, self.ttl_s):
+                    self._needs_resync = True  # lapsed lease or a restarted index: republish
                 if self._needs_resync:
                     self._resync()
                 self._drain()

@@ -63,12 +63,32 @@ return 0
 
 
 class RedisIndex:
-    """Args: url: ``redis://[:password@]host:port/db`` or ``rediss://`` for TLS."""
+    """Args:
+    url: ``redis://[:password@]host:port/db`` or ``rediss://`` for TLS.
+    password: overrides one in the URL (so it can come from a secret, not the URL).
+    ca_cert: CA bundle that verifies a ``rediss://`` server.
+    """
 
-    def __init__(self, url: str, namespace: str = "pdserve", timeout_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        url: str,
+        namespace: str = "pdserve",
+        timeout_s: float = 0.5,
+        password: str | None = None,
+        ca_cert: str | None = None,
+    ) -> None:
         self.ns = namespace
+        extra: dict[str, str] = {}
+        if password is not None:
+            extra["password"] = password
+        if ca_cert is not None:
+            extra["ssl_ca_certs"] = ca_cert
         self._r = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            decode_responses=True,
+            **extra,
         )
         self._lookup = self._r.register_script(_LOOKUP)
         self._drop = self._r.register_script(_DROP)
@@ -97,13 +117,13 @@ class RedisIndex:
         self._drop(args=[self.ns, replica])
         self._ttl_ms.pop(replica, None)
 
-    def heartbeat(self, replica: str, ttl_s: float) -> None:
+    def heartbeat(self, replica: str, ttl_s: float) -> bool:
         ms = max(1, int(ttl_s * 1000))
         self._ttl_ms[replica] = ms
         p = self._r.pipeline(transaction=False)
-        p.set(f"{self.ns}:lease:{replica}", "1", px=ms)
+        p.set(f"{self.ns}:lease:{replica}", "1", px=ms, get=True)  # the old value: held?
         p.pexpire(f"{self.ns}:replica:{replica}", ms)
-        p.execute()
+        return p.execute()[0] is not None
 
     def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         if not hashes:

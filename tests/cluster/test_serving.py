@@ -100,6 +100,7 @@ def test_every_mode_gives_single_process_tokens(cluster, smollm_engine, app):
             "prompt_tokens": len(prompt),
             "completion_tokens": 12,
             "total_tokens": len(prompt) + 12,
+            "prompt_tokens_details": {"cached_tokens": resp["pdserve_timing"]["num_cached_tokens"]},
         }
         assert (resp["pdserve_timing"]["kv_transfer_s"] > 0) == (
             app == "pdserve"

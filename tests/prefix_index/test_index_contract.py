@@ -63,6 +63,13 @@ def test_expired_lease_hides_and_cleans_a_dead_replica(index):
     assert index.lookup(H) == {"alive": 2, "dead-2": 1}
 
 
+def test_heartbeat_says_whether_the_lease_was_held(index):
+    assert index.heartbeat("r", 0.2) is False  # new: the caller must publish everything
+    assert index.heartbeat("r", 0.2) is True
+    time.sleep(0.35)
+    assert index.heartbeat("r", 30) is False  # lapsed: entries may be gone
+
+
 def test_replica_without_a_lease_is_invisible(index):
     index.add("nolease", H[:3])
     assert index.lookup(H) == {}

@@ -71,3 +71,26 @@ def test_redis_outage_is_counted_and_resynced(make_engine):
         pub.stop()
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_an_index_that_lost_its_data_is_repopulated(make_engine, redis_url):
+    # a Redis restarted without persistence (or FLUSHALL) answers, but has forgotten everything
+    import redis
+
+    ns = f"lost-{uuid.uuid4().hex[:6]}"
+    index = get_index("redis", redis_url, namespace=ns)
+    eng = make_engine(num_kv_blocks=64)
+    pub = _publish(eng, index, ttl_s=0.6)
+    try:
+        eng.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        assert pub.flush()
+        r = redis.Redis.from_url(redis_url)
+        r.delete(*r.keys(f"{ns}:*"))
+        assert index.lookup(hash_blocks(PROMPT, 4)) == {}
+        deadline = time.monotonic() + 10
+        while index.lookup(hash_blocks(PROMPT, 4)) != {pub.replica_id: 10}:
+            assert time.monotonic() < deadline, "the lost entries were never republished"
+            time.sleep(0.05)
+        assert pub.errors == 0  # no error was seen: the lapsed lease alone triggered it
+    finally:
+        pub.stop()

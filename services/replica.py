@@ -1,0 +1,156 @@
+"""What every engine replica (prefill, decode, colocated) shares: the engine on its loop
+thread, the prefix-index publisher, and the stats that operators and the request router read.
+
+Invariant: a replica's index id is the one the request router derives from Ray Serve's
+``ReplicaID`` (``services.router.index_id``), so the router can match index hits to replicas
+without asking anyone; Serve never reuses a replica id, so a restarted replica starts clean.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from services.config import PoolConfig, ServeConfig
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine import Engine, EngineStats
+from services.prefix_index import PrefixIndex
+from services.prefix_index.publisher import IndexPublisher, unique_replica_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    identity: str  # host:pid
+    index_id: str  # this replica's id in the prefix index
+    stats: EngineStats
+    resources: dict[str, float]  # what Ray assigned to this worker (its pool placement)
+
+
+def assigned_resources() -> dict[str, float]:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return dict(ray.get_runtime_context().get_assigned_resources())
+    except ImportError:
+        pass
+    return {}
+
+
+def replica_identity() -> str:
+    import os
+    import socket
+
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def serve_replica_id() -> Any:
+    """Ray Serve's ReplicaID of this process, or None outside a Serve replica."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id
+    except Exception:  # not in a replica (tests, single process)
+        return None
+
+
+class EngineReplica:
+    """Args: index: where this replica publishes its prefix cache (None: it does not)."""
+
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        pool: PoolConfig,
+        role: Literal["both", "prefill", "decode"],
+        index: PrefixIndex | None = None,
+    ) -> None:
+        from services.router import index_id
+
+        self.cfg = cfg
+        engine = Engine.from_path(cfg.model, cfg.engine_config(pool, role))
+        self.engine = AsyncEngine(engine, stall_timeout_s=cfg.request_timeout_s)
+        rid = serve_replica_id()
+        self.index_id = index_id(rid) if rid is not None else unique_replica_id(role)
+        self.publisher: IndexPublisher | None = None
+        if index is not None:
+            self.publisher = IndexPublisher(
+                index,
+                self.index_id,
+                lambda: self.engine.call(lambda e: e.blocks.cached_hashes()),
+                ttl_s=cfg.index_lease_ttl_s,
+            )
+            # NOTE: set before any request runs; the hooks only append to a deque
+            self.engine.call(
+                lambda e: e.blocks.set_listeners(
+                    self.publisher.on_cached, self.publisher.on_evicted
+                )  # type: ignore[union-attr]
+            )
+
+    def stats(self) -> EngineStats:
+        return self.engine.call(Engine.stats)
+
+    def replica_stats(self) -> ReplicaInfo:
+        """Identity, index id, engine stats and Ray-assigned resources of this replica."""
+        return ReplicaInfo(replica_identity(), self.index_id, self.stats(), assigned_resources())
+
+    def record_routing_stats(self) -> dict[str, int]:
+        """Polled by Ray Serve for the request router (``services.router``)."""
+        s = self.stats()
+        return {
+            "prefill_tokens_queued": s.prefill_tokens_queued,
+            "num_running": s.num_running + s.num_waiting,
+            "blocks_free": s.blocks_free,
+            "blocks_total": s.blocks_total,
+        }
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every unreferenced cached block (operators, tests); the index follows."""
+        return self.engine.call(lambda e: e.blocks.reset_prefix_cache())
+
+    def flush_index(self, timeout_s: float = 5.0) -> bool:
+        """Wait until this replica's cache events are in the index (tests, operators)."""
+        return self.publisher.flush(timeout_s) if self.publisher is not None else True
+
+    def shutdown(self) -> None:
+        if self.publisher is not None:
+            self.publisher.stop()
+        self.engine.stop()
+
+
+def open_index(cfg: ServeConfig, handle: Any = None) -> PrefixIndex | None:
+    """The cluster's prefix index as this process should reach it: Redis when a URL is set,
+    else the application's ``prefix_index`` deployment through ``handle``. None: no index
+    (``routing: least_loaded`` needs none)."""
+    if cfg.routing == "least_loaded":
+        return None
+    if cfg.redis_url:
+        from services.prefix_index.redis_index import RedisIndex
+
+        rid = serve_replica_id()
+        app = rid.deployment_id.app_name if rid is not None else "default"
+        password = cfg.redis_password.get_secret_value() if cfg.redis_password else None
+        return RedisIndex(
+            cfg.redis_url,
+            f"{cfg.index_namespace}:{app}",
+            password=password,
+            ca_cert=cfg.redis_ca_cert,
+        )
+    if handle is not None:
+        from services.prefix_index.server import HandleIndex
+
+        return HandleIndex(handle)
+    return None
