@@ -111,7 +111,6 @@ class EngineReplica:
         """Polled by Ray Serve for the request router (``services.router``)."""
         s = self.stats()
         return {
-            "prefill_tokens_queued": s.prefill_tokens_queued,
             "num_running": s.num_running + s.num_waiting,
             "blocks_free": s.blocks_free,
             "blocks_total": s.blocks_total,

@@ -15,10 +15,12 @@ and passes what it found as the call's ``route`` keyword, a ``RouteHint``):
   replica holding a long shared prefix wins until its queue outweighs what it saves.
 - A decode-only call (its KV comes from a prefill replica): replicas with room for its
   blocks first, then fewest running requests, then most free KV blocks.
-- Load on a replica = max(the work this router has in flight there, what the replica last
-  reported). The first is exact and immediate for this gateway (``on_request_routed`` /
-  ``on_request_completed``); the second covers other gateways, up to
-  ``routing_stats_period_s`` old.
+- Queued prefill tokens are the ones this router has in flight on the replica, tracked
+  exactly by ``on_request_routed`` / ``on_request_completed``. NOTE: not the replica's own
+  report: that is up to ``routing_stats_period_s`` old, and a stale "busy" report would pull
+  a request away from the replica holding its prefix. With several gateways each one
+  balances its own share. Decode choice reads the reports (free blocks, running requests),
+  merged with this router's in-flight calls.
 - ``prefix_aware=False`` (``routing: least_loaded``) ignores the index: the baseline.
 Ranks are single replicas in cost order; Serve sends to the first one whose queue has room.
 """
@@ -59,7 +61,7 @@ class PdRequestRouter(RequestRouter):
     def _key(self, r: RunningReplica, hint: RouteHint | None) -> tuple[float, ...]:
         stats = r.routing_stats or {}
         rid = r.replica_id
-        queued = max(self._tokens[rid], int(stats.get("prefill_tokens_queued", 0)))
+        queued = self._tokens[rid]
         running = max(self._calls[rid], int(stats.get("num_running", 0)))
         free = int(stats.get("blocks_free", 1 << 30))
         if "blocks_total" in stats:

@@ -45,6 +45,7 @@ class IndexPublisher:
         self._published = 0  # highest seq written to the index
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._down = False  # in an outage (logged once per outage)
         self._needs_resync = True  # a new replica starts clean: drop, then publish what it has
         self._thread = threading.Thread(target=self._run, name="index-publisher", daemon=True)
         self._thread.start()
@@ -84,10 +85,17 @@ class IndexPublisher:
                 if self._needs_resync:
                     self._resync()
                 self._drain()
-            except Exception as e:  # Redis down etc.: count, log, resync when it is back
+                if self._down:
+                    log.warning("prefix index is back; %s republished its cache", self.replica_id)
+                    self._down = False
+            except Exception as e:  # Redis down etc.: count, log once, resync when it is back
                 self.errors += 1
                 self._needs_resync = True
-                log.warning("prefix index unavailable (%s); routing falls back to load only", e)
+                if not self._down:
+                    log.warning(
+                        "prefix index unavailable (%s); this replica's hits are not routed", e
+                    )
+                self._down = True
             self._wake.wait(timeout=self.ttl_s / 3)
             self._wake.clear()
 

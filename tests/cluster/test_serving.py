@@ -1,5 +1,5 @@
-"""The cluster on a real local Ray (one per test module): gateway, prefill pool, decode pool,
-KV over gRPC, through real HTTP. Three apps share the cluster: disaggregated (2 prefill +
+"""The cluster on a real local Ray (tests/cluster/conftest.py): gateway, prefill pool, decode
+pool, KV over gRPC, through real HTTP. Three apps share the cluster: disaggregated (2 prefill +
 2 decode replicas), colocated, and conditional disaggregation."""
 
 from __future__ import annotations
@@ -12,77 +12,29 @@ import time
 import httpx
 import pytest
 
-from services.config import load_config
 from services.engine.sampling_params import SamplingParams
-from tests.fixtures import wait_until_ok
+from tests.cluster.conftest import BASE, MODEL, complete, deploy, replica_stats, undeploy
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-PORT = 18431
-BASE = f"http://127.0.0.1:{PORT}"
-MODEL = "SmolLM2-135M-Instruct"
 APPS = {"pdserve": "", "colo": "/colo", "cond": "/cond"}
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    import ray
-    from ray import serve
-
-    from services.app import build_app
-
-    ray.init(
-        num_cpus=2,
-        resources={"prefill_pool": 3, "decode_pool": 4},
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+def cluster(ray_serve):
     pools = {"num_kv_blocks": 256}
-    configs = {
-        "pdserve": {"prefill": {**pools, "replicas": 2}, "decode": {**pools, "replicas": 2}},
-        "colo": {"mode": "colocated", "decode": pools},
-        "cond": {"conditional_threshold": 12, "prefill": pools, "decode": pools},
-    }
-    for name, over in configs.items():
-        cfg = load_config(overrides=over, environ={})
-        serve.run(build_app(cfg), name=name, route_prefix=APPS[name] or "/", blocking=False)
-    for prefix in APPS.values():
-        wait_until_ok(f"{BASE}{prefix}/health", 300)
-    yield serve
-    serve.shutdown()
-    ray.shutdown()
-
-
-def _complete(body, stream=False, prefix=""):
-    body = {"model": MODEL, **body, "stream": stream}
-    if not stream:
-        r = httpx.post(f"{BASE}{prefix}/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["token_ids"], r.json()
-    ids = []
-    with httpx.stream("POST", f"{BASE}{prefix}/v1/completions", json=body, timeout=300) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for ch in json.loads(line[6:])["choices"]:
-                    ids.extend(ch["token_ids"])
-    return ids, None
-
-
-def _replica_stats(app: str, deployment: str, n_replicas: int) -> dict[str, object]:
-    from ray import serve
-
-    handle = serve.get_deployment_handle(deployment, app_name=app)
-    seen: dict[str, object] = {}
-    for _ in range(60):
-        info = handle.replica_stats.remote().result()
-        seen[info.identity] = info
-        if len(seen) == n_replicas:
-            break
-    assert len(seen) == n_replicas
-    return seen
+    deploy(
+        {
+            "pdserve": (
+                "",
+                {"prefill": {**pools, "replicas": 2}, "decode": {**pools, "replicas": 2}},
+            ),
+            "colo": ("/colo", {"mode": "colocated", "decode": pools}),
+            "cond": ("/cond", {"conditional_threshold": 12, "prefill": pools, "decode": pools}),
+        }
+    )
+    yield ray_serve
+    undeploy(APPS)
 
 
 @pytest.mark.parametrize("app", list(APPS))
@@ -94,7 +46,7 @@ def test_every_mode_gives_single_process_tokens(cluster, smollm_engine, app):
         sp = SamplingParams(max_tokens=12, ignore_eos=True, **params)
         (want,) = smollm_engine.generate([prompt], sp)
         body = {"prompt": prompt, "max_tokens": 12, "ignore_eos": True, **params}
-        got, resp = _complete(body, prefix=APPS[app])
+        got, resp = complete(body, prefix=APPS[app])
         assert got == want
         assert resp["usage"] == {
             "prompt_tokens": len(prompt),
@@ -105,7 +57,7 @@ def test_every_mode_gives_single_process_tokens(cluster, smollm_engine, app):
         assert (resp["pdserve_timing"]["kv_transfer_s"] > 0) == (
             app == "pdserve"
         )  # cond: prompt is long
-        assert _complete(body, stream=True, prefix=APPS[app])[0] == want
+        assert complete(body, stream=True, prefix=APPS[app])[0] == want
 
 
 def test_conditional_short_prompt_skips_the_prefill_pool(cluster, smollm_engine):
@@ -113,7 +65,7 @@ def test_conditional_short_prompt_skips_the_prefill_pool(cluster, smollm_engine)
     (want,) = smollm_engine.generate(
         [prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     )
-    got, resp = _complete(
+    got, resp = complete(
         {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}, prefix="/cond"
     )
     assert got == want and resp["pdserve_timing"]["kv_transfer_s"] == 0
@@ -153,10 +105,10 @@ def test_32_concurrent_streams_on_two_pools(cluster, smollm_engine):
             return await asyncio.gather(*(one(client, p, n) for p, n in reqs))
 
     assert asyncio.run(main()) == want
-    decode = _replica_stats("pdserve", "decode", 2)
+    decode = replica_stats("pdserve", "decode", 2)
     assert all(i.stats.num_steps > 0 for i in decode.values()), "a decode replica got no work"
     for dep in ("prefill", "decode"):
-        for info in _replica_stats("pdserve", dep, 2).values():
+        for info in replica_stats("pdserve", dep, 2).values():
             s = info.stats
             assert s.blocks_used == 0 and s.num_running == 0 and s.num_held == 0
             # placement, from Ray's own data: each replica holds its own pool's resource only
@@ -182,7 +134,7 @@ def test_client_disconnect_frees_blocks(cluster):
                 break
     deadline = time.monotonic() + 60
     while True:
-        (info,) = _replica_stats("colo", "decode", 1).values()
+        (info,) = replica_stats("colo", "decode", 1).values()
         stats = info.stats
         if stats.blocks_used == 0 and stats.num_running == 0:
             break
@@ -247,7 +199,7 @@ def test_failed_transfer_is_re_prefilled_then_503(cluster, smollm_engine):
         [prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     )
     decode.set_fail_next_pulls.remote(1).result()
-    got, _ = _complete(
+    got, _ = complete(
         {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}, prefix="/cond"
     )
     assert got == want
@@ -259,5 +211,5 @@ def test_failed_transfer_is_re_prefilled_then_503(cluster, smollm_engine):
         timeout=300,
     )
     assert r.status_code == 503 and "KV transfer failed" in r.json()["error"]["message"]
-    for info in _replica_stats("cond", "prefill", 1).values():
+    for info in replica_stats("cond", "prefill", 1).values():
         assert info.stats.blocks_used == 0 and info.stats.num_held == 0
