@@ -71,6 +71,32 @@ def test_conditional_short_prompt_skips_the_prefill_pool(cluster, smollm_engine)
     assert got == want and resp["pdserve_timing"]["kv_transfer_s"] == 0
 
 
+def test_conditional_disaggregation_counts_only_the_uncached_length(cluster, smollm_engine):
+    # A 48-token prompt goes through the prefill pool; the decode replica keeps its 3 blocks
+    # cached (in-process index of the app). The follow-up adds 3 tokens: 51 tokens, but only
+    # 3 uncached on the decode replica, under the threshold of 12: prefilled there, no transfer.
+    from ray import serve
+
+    tok = smollm_engine.tokenizer
+    first = tok.encode(
+        "In the quiet harbour town of Millbrook the baker opened his shop before dawn, and the "
+        "fishermen queued in the dark for warm bread, talking about the weather and the tides "
+        "and the price of diesel, while gulls waited on the roofs."
+    )[:48]
+    follow = [*first, *tok.encode(" Then what?")[:3]]
+    assert len(first) == 48 and len(follow) == 51
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    _, resp = complete({"prompt": first, **body}, prefix="/cond")
+    assert resp["pdserve_timing"]["kv_transfer_s"] > 0
+    decode = serve.get_deployment_handle("decode", app_name="cond")
+    assert decode.flush_index.remote().result()
+    got, resp = complete({"prompt": follow, **body}, prefix="/cond")
+    assert resp["pdserve_timing"]["kv_transfer_s"] == 0
+    assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    smollm_engine.blocks.reset_prefix_cache()
+    assert got == smollm_engine.generate([follow], SamplingParams(**body))[0]
+
+
 def test_32_concurrent_streams_on_two_pools(cluster, smollm_engine):
     rng = random.Random(7)
     reqs = [
