@@ -45,11 +45,13 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int], n: int) ->
     }
     t0 = time.perf_counter()
     stamps: list[float] = []
+    usage: dict[str, object] = {}
     async with client.stream("POST", url, json=body, timeout=600) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 ev = json.loads(line[6:])
+                usage = ev.get("usage") or usage  # on the last event
                 for ch in ev.get("choices", []):
                     stamps.extend([time.perf_counter()] * len(ch["token_ids"]))
     end = time.perf_counter()
@@ -60,6 +62,7 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int], n: int) ->
         "itls": itls,
         "e2e": end - t0,
         "tokens": len(stamps),
+        "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),  # type: ignore[union-attr]
     }
 
 

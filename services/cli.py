@@ -55,6 +55,8 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model", default=None)
     srv.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
     srv.add_argument("--conditional-threshold", type=int, default=None)
+    srv.add_argument("--routing", choices=["prefix_aware", "least_loaded"], default=None)
+    srv.add_argument("--redis-url", default=None, help="prefix index in Redis (default in-process)")
     srv.add_argument("--block-size", type=int, default=None)
     srv.add_argument("--http-host", default=None)
     srv.add_argument("--http-port", type=int, default=None)
@@ -78,6 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
             "model",
             "mode",
             "conditional_threshold",
+            "routing",
+            "redis_url",
             "block_size",
             "http_host",
             "http_port",

@@ -1,0 +1,89 @@
+"""The request router's policy on stand-in replicas (no cluster): what it ranks first."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from ray.serve._private.common import DeploymentID, ReplicaID
+
+from services.pd_flow import RouteHint
+from services.router import PdRequestRouter, index_id
+
+
+@dataclass
+class _Replica:  # the two attributes of RunningReplica the router reads
+    replica_id: ReplicaID
+    routing_stats: dict = field(default_factory=dict)
+
+
+def _router() -> PdRequestRouter:
+    r = PdRequestRouter.__new__(PdRequestRouter)  # the policy only; no Serve machinery
+    r.initialize_state()
+    return r
+
+
+def _replicas(n: int, deployment: str = "prefill") -> list[_Replica]:
+    dep = DeploymentID(name=deployment, app_name="app")
+    return [_Replica(ReplicaID(unique_id=f"r{i}", deployment_id=dep)) for i in range(n)]
+
+
+def _pending(hint: RouteHint | None, rid: str = "x"):  # type: ignore[no-untyped-def]
+    return SimpleNamespace(
+        kwargs={} if hint is None else {"route": hint},
+        metadata=SimpleNamespace(internal_request_id=rid),
+    )
+
+
+def _first(router, replicas, hint, rid="x"):  # type: ignore[no-untyped-def]
+    ranks = asyncio.run(router.choose_replicas(replicas, _pending(hint, rid)))
+    assert [len(r) for r in ranks] == [1] * len(replicas)  # one replica per rank, all ranked
+    return ranks[0][0]
+
+
+def test_the_replica_holding_the_prefix_wins_until_its_queue_outweighs_the_saving():
+    router, (a, b) = _router(), _replicas(2)
+    hint = RouteHint(1000, {index_id(b.replica_id): 960}, True, 64)
+    for _ in range(5):  # idle: the holder, every time
+        assert _first(router, [a, b], hint) is b
+    # 3 cold 1,000-token prompts in flight on b: 3,000 + 40 queued > 1,000 on a
+    for i in range(3):
+        router.on_request_routed(_pending(RouteHint(1000), f"q{i}"), b.replica_id, None)
+    assert _first(router, [a, b], hint) is a
+    for i in range(3):  # they finish: back to the holder
+        router.on_request_completed(b.replica_id, f"q{i}")
+    assert _first(router, [a, b], hint) is b
+
+
+def test_cold_prompts_and_least_loaded_go_by_queued_tokens():
+    router, (a, b) = _router(), _replicas(2)
+    router.on_request_routed(_pending(RouteHint(500), "q"), a.replica_id, None)
+    assert _first(router, [a, b], RouteHint(100)) is b  # cold: the less loaded
+    baseline = RouteHint(1000, {index_id(a.replica_id): 960}, True, 64, prefix_aware=False)
+    assert _first(router, [a, b], baseline) is b  # least-loaded ignores the cached prefix
+    # only the uncached part of a routed request counts as its queued work
+    router.on_request_completed(a.replica_id, "q")
+    hit = RouteHint(1000, {index_id(a.replica_id): 960}, True, 64)
+    router.on_request_routed(_pending(hit, "h"), a.replica_id, None)
+    assert router._tokens[a.replica_id] == 40
+
+
+def test_decode_by_room_for_the_blocks_then_running_then_free_blocks():
+    router, (a, b, c) = _router(), _replicas(3, "decode")
+    a.routing_stats = {"num_running": 0, "blocks_free": 10, "blocks_total": 100}  # no room
+    b.routing_stats = {"num_running": 3, "blocks_free": 90, "blocks_total": 100}
+    c.routing_stats = {"num_running": 1, "blocks_free": 50, "blocks_total": 100}
+    hint = RouteHint(300, {}, computes_prompt=False, kv_blocks=20)
+    assert _first(router, [a, b, c], hint) is c
+    c.routing_stats = {"num_running": 3, "blocks_free": 50, "blocks_total": 100}
+    assert _first(router, [a, b, c], hint) is b  # equal batch: more free blocks
+
+
+def test_a_dead_replicas_in_flight_work_is_forgotten():
+    router, (a,) = _router(), _replicas(1)
+    router.on_request_routed(_pending(RouteHint(800), "q"), a.replica_id, None)
+    # the base class's own replica bookkeeping, empty here (no Serve machinery)
+    router._replicas, router._replica_id_set, router._queue_len_gauge_last_update = {}, set(), {}
+    router.on_replica_actor_died(a.replica_id)
+    assert router._tokens[a.replica_id] == 0 and not router._inflight
