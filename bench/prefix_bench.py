@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import httpx
-from serving_bench import one, pct
+from serving_bench import finish, one, pct, start_cluster
 
 BLOCK = 16
 
@@ -77,20 +76,13 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    import ray
     from ray import serve
 
     from services.app import build_app
     from services.config import load_config
 
     p = args.prefill_replicas
-    ray.init(
-        resources={"prefill_pool": 2 * p, "decode_pool": 2},
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    start_cluster({"prefill_pool": 2 * p, "decode_pool": 2}, args.port)
     base = f"http://127.0.0.1:{args.port}"
     policies = {"least_loaded": "/loaded", "prefix_aware": "/aware"}
     for policy, prefix in policies.items():
@@ -162,11 +154,7 @@ def main() -> None:
         f"p99 {b['ttft_p99'] / a['ttft_p99']:.2f}x; prefill tokens computed "
         f"{a['prefill_tokens_computed'] / max(b['prefill_tokens_computed'], 1):.2f}x"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-    serve.shutdown()
-    ray.shutdown()
+    finish(rows, args.json)
 
 
 if __name__ == "__main__":

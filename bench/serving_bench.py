@@ -80,6 +80,32 @@ async def replay(
         return list(results), time.perf_counter() - start
 
 
+def start_cluster(resources: dict[str, float], port: int) -> None:
+    """A local Ray cluster with the pools' resources, and Serve's HTTP proxy on ``port``."""
+    import ray
+    from ray import serve
+
+    ray.init(
+        resources=resources,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+
+
+def finish(rows: dict[str, dict[str, float]], json_path: str | None) -> None:
+    """Write the rows (``--json``) and stop the cluster ``start_cluster`` started."""
+    import ray
+    from ray import serve
+
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=2)
+    serve.shutdown()
+    ray.shutdown()
+
+
 def report(
     name: str, results: list[dict[str, object]], wall: float, slo_ttft: float, slo_itl: float
 ) -> dict[str, float]:
@@ -126,20 +152,13 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    import ray
     from ray import serve
 
     from services.app import build_app
     from services.config import load_config
 
     p, d = args.prefill_replicas, args.decode_replicas
-    ray.init(
-        resources={"prefill_pool": p, "decode_pool": d + p + d},
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    start_cluster({"prefill_pool": p, "decode_pool": d + p + d}, args.port)
     pools = {"num_kv_blocks": 2048}
     serve.run(
         build_app(
@@ -187,11 +206,7 @@ def main() -> None:
         f"disaggregated / colocated: ITL p90 {a['itl_p90'] / b['itl_p90']:.2f}x, TTFT p90 {a['ttft_p90'] / b['ttft_p90']:.2f}x, "
         f"goodput {a['goodput'] / max(b['goodput'], 1e-9):.2f}x"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-    serve.shutdown()
-    ray.shutdown()
+    finish(rows, args.json)
 
 
 if __name__ == "__main__":

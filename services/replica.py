@@ -108,8 +108,9 @@ class EngineReplica:
         return ReplicaInfo(replica_identity(), self.index_id, self.stats(), assigned_resources())
 
     def record_routing_stats(self) -> dict[str, int]:
-        """Polled by Ray Serve for the request router (``services.router``)."""
-        s = self.stats()
+        """Polled by Ray Serve for the request router (``services.router``); never waits for
+        the engine lock (the snapshot is at most one step old)."""
+        s = self.engine.last_stats
         return {
             "num_running": s.num_running + s.num_waiting,
             "blocks_free": s.blocks_free,

@@ -11,8 +11,9 @@ Scoring (the gateway has already looked the prompt up in the prefix index, one r
 and passes what it found as the call's ``route`` keyword, a ``RouteHint``):
 - A call that computes the prompt (prefill pool; the decode pool for a prompt prefilled
   there): cost = the replica's queued prefill tokens + the prompt tokens it would compute
-  (prompt minus the prefix it holds). Least cost first; ties go to the least loaded. So a
-  replica holding a long shared prefix wins until its queue outweighs what it saves.
+  (prompt minus the prefix it holds). Least cost first; at equal cost the longer cached
+  prefix, then the least loaded (cold prompts: the least loaded). So a replica holding a long
+  shared prefix wins until its queue outweighs what it saves.
 - A decode-only call (its KV comes from a prefill replica): replicas with room for its
   blocks first, then fewest running requests, then most free KV blocks.
 - Queued prefill tokens are the ones this router has in flight on the replica, tracked
@@ -71,7 +72,9 @@ class PdRequestRouter(RequestRouter):
             return (queued, running, tie)
         if hint.computes_prompt:
             cached = hint.cached_tokens.get(index_id(rid), 0) if hint.prefix_aware else 0
-            return (queued + hint.prompt_tokens - cached, queued, running, tie)
+            # equal cost: keep the prefix where it is (a copy elsewhere would evict others;
+            # and the holder's queue is overestimated: its in-flight work is partly done)
+            return (queued + hint.prompt_tokens - cached, -cached, queued, running, tie)
         return (float(free < hint.kv_blocks), running, -free, tie)
 
     def on_request_routed(

@@ -160,8 +160,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_redis(port: int, password: str | None = None, workdir: Path | None = None) -> Any:
-    """Start a real redis-server on loopback and wait until it answers; returns the Popen."""
+def start_redis(
+    port: int,
+    password: str | None = None,
+    workdir: Path | None = None,
+    tls: tuple[Path, Path, Path] | None = None,
+) -> Any:
+    """Start a real redis-server on loopback and wait until it answers; returns the Popen.
+
+    ``tls``: (certificate, key, CA) files: the server then speaks TLS only, on ``port``."""
     import shutil
     import subprocess
     import time
@@ -170,17 +177,26 @@ def start_redis(port: int, password: str | None = None, workdir: Path | None = N
 
     exe = shutil.which("redis-server")
     assert exe, "redis-server is not installed (deploy/setup.sh installs it)"
-    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    args = [exe, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    args += ["--port", str(port)] if tls is None else ["--port", "0", "--tls-port", str(port)]
+    ping: dict[str, Any] = {}
+    if tls is not None:
+        cert, key, ca = tls
+        args += ["--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+        args += ["--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+        ping["ssl_ca_certs"] = str(ca)
     if password:
         args += ["--requirepass", password]
     if workdir is not None:
         args += ["--dir", str(workdir)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     auth = f":{password}@" if password else ""
+    scheme = "rediss" if tls is not None else "redis"
     deadline = time.monotonic() + 20
     while True:
         try:
-            redis.Redis.from_url(f"redis://{auth}127.0.0.1:{port}/0", socket_timeout=0.5).ping()
+            url = f"{scheme}://{auth}127.0.0.1:{port}/0"
+            redis.Redis.from_url(url, socket_timeout=0.5, **ping).ping()
             return proc
         except redis.RedisError:
             assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"

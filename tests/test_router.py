@@ -47,6 +47,14 @@ def test_the_replica_holding_the_prefix_wins_until_its_queue_outweighs_the_savin
     hint = RouteHint(1000, {index_id(b.replica_id): 960}, True, 64)
     for _ in range(5):  # idle: the holder, every time
         assert _first(router, [a, b], hint) is b
+    # one cold 1,000-token prompt in flight on b: 1,040 against 1,000 on a
+    router.on_request_routed(_pending(RouteHint(1000), "c"), b.replica_id, None)
+    assert _first(router, [a, b], hint) is a
+    # 960 in flight: equal cost (1,000 each), and b keeps its prefix rather than copy it to a
+    router.on_request_completed(b.replica_id, "c")
+    router.on_request_routed(_pending(RouteHint(960), "c"), b.replica_id, None)
+    assert _first(router, [a, b], hint) is b
+    router.on_request_completed(b.replica_id, "c")
     # 3 cold 1,000-token prompts in flight on b: 3,000 + 40 queued > 1,000 on a
     for i in range(3):
         router.on_request_routed(_pending(RouteHint(1000), f"q{i}"), b.replica_id, None)

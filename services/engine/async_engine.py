@@ -2,7 +2,9 @@
 
 Invariants: the engine is only touched under ``lock``; every request added here has a stream
 until its final output (or an error) reaches it; a consumer that stops listening aborts its
-request, which frees its blocks.
+request, which frees its blocks. The lock is held for a whole step (a prefill chunk can take
+seconds on CPU), so the event loop never waits for it: requests are added from a worker thread,
+and ``last_stats`` (refreshed by the loop thread after every step) answers stats polls.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 
-from services.engine.engine import Engine
+from services.engine.engine import Engine, EngineStats
 from services.engine.kv_handle import KVHandle
 from services.engine.request import RequestOutput
 from services.engine.sampling_params import SamplingParams
@@ -38,6 +40,7 @@ class AsyncEngine:
         self._wake = threading.Condition(self.lock)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[object]]] = {}
         self._stopped = False
+        self.last_stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -53,12 +56,16 @@ class AsyncEngine:
         """Add a request and yield its outputs; raises InvalidRequestError before yielding."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
-        with self._wake:
-            self.engine.add_request(
-                request_id, prompt_ids, params, prefill_only=prefill_only, kv_handle=kv_handle
-            )
-            self._streams[request_id] = (loop, queue)
-            self._wake.notify()
+
+        def add() -> None:
+            with self._wake:
+                self.engine.add_request(
+                    request_id, prompt_ids, params, prefill_only=prefill_only, kv_handle=kv_handle
+                )
+                self._streams[request_id] = (loop, queue)
+                self._wake.notify()
+
+        await asyncio.to_thread(add)
         finished = False
         try:
             while not finished:
@@ -100,6 +107,7 @@ class AsyncEngine:
                     # that no decode replica came for.
                     if not self._wake.wait(timeout=1.0):
                         self.engine.step()
+                        self.last_stats = self.engine.stats()
                 if self._stopped:
                     break
                 try:
@@ -108,6 +116,7 @@ class AsyncEngine:
                     log.exception("engine step failed")
                     self._fail_all(e)
                     continue
+                self.last_stats = self.engine.stats()
                 deliveries = []
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
