@@ -16,8 +16,9 @@ and passes what it found as the call's ``route`` keyword, a ``RouteHint``):
   shared prefix wins until its queue outweighs what it saves.
 - A decode-only call (its KV comes from a prefill replica): replicas with room for its
   blocks first, then fewest running requests, then most free KV blocks.
-- Queued prefill tokens are the ones this router has in flight on the replica, tracked
-  exactly by ``on_request_routed`` / ``on_request_completed``. NOTE: not the replica's own
+- Queued prefill tokens are what is left of the calls this router has in flight on the
+  replica (``on_request_routed`` / ``on_request_completed``), drained at the replica's
+  measured prefill rate (``queued_tokens``). NOTE: not the replica's own
   report: that is up to ``routing_stats_period_s`` old, and a stale "busy" report would pull
   a request away from the replica holding its prefix. With several gateways each one
   balances its own share. Decode choice reads the reports (free blocks, running requests),
@@ -29,7 +30,9 @@ Ranks are single replicas in cost order; Serve sends to the first one whose queu
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -42,13 +45,27 @@ def index_id(replica_id: Any) -> str:
     return f"{replica_id.deployment_id.name}-{replica_id.unique_id}"
 
 
+# prefill calls shorter than this say more about per-call overhead than compute speed
+_RATE_MIN_TOKENS = 256
+_RATE_EWMA = 0.3
+
+
+@dataclass(slots=True)
+class _Call:
+    replica: ReplicaID
+    tokens: int  # prefill tokens it computes (0: decode-only)
+    blocks: int
+    at: float  # when it was routed (monotonic)
+
+
 class PdRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
-        # internal request id -> (replica, prefill tokens, KV blocks) of calls in flight
-        self._inflight: dict[str, tuple[ReplicaID, int, int]] = {}
-        self._tokens: Counter[ReplicaID] = Counter()
+        self._now = time.monotonic  # a seam for the unit tests' clock
+        self._inflight: dict[str, _Call] = {}  # by Serve's internal request id
         self._calls: Counter[ReplicaID] = Counter()
         self._blocks: Counter[ReplicaID] = Counter()
+        self._rate: dict[ReplicaID, float] = {}  # measured prefill tokens/s, per replica
+        self._last_done: dict[ReplicaID, float] = {}
 
     async def choose_replicas(
         self,
@@ -56,13 +73,27 @@ class PdRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         hint = _hint(pending_request)
-        ranked = sorted(candidate_replicas, key=lambda r: self._key(r, hint))
+        now = self._now()
+        ranked = sorted(candidate_replicas, key=lambda r: self._key(r, hint, now))
         return [[r] for r in ranked]
 
-    def _key(self, r: RunningReplica, hint: RouteHint | None) -> tuple[float, ...]:
+    def queued_tokens(self, rid: ReplicaID, now: float) -> float:
+        """Prefill tokens still to compute on ``rid`` from this router's calls: the calls
+        drain first-in first-out at the replica's measured rate (all of them until a rate is
+        known), so a cold prompt routed 2 s ago no longer counts in full."""
+        calls = sorted((c.at, c.tokens) for c in self._inflight.values() if c.replica == rid)
+        rate = self._rate.get(rid)
+        if rate is None:
+            return float(sum(t for _, t in calls))
+        finish = 0.0
+        for at, tokens in calls:
+            finish = max(finish, at) + tokens / rate
+        return max(0.0, finish - now) * rate
+
+    def _key(self, r: RunningReplica, hint: RouteHint | None, now: float) -> tuple[float, ...]:
         stats = r.routing_stats or {}
         rid = r.replica_id
-        queued = self._tokens[rid]
+        queued = self.queued_tokens(rid, now)
         running = max(self._calls[rid], int(stats.get("num_running", 0)))
         free = int(stats.get("blocks_free", 1 << 30))
         if "blocks_total" in stats:
@@ -71,9 +102,8 @@ class PdRequestRouter(RequestRouter):
         if hint is None:
             return (queued, running, tie)
         if hint.computes_prompt:
-            cached = hint.cached_tokens.get(index_id(rid), 0) if hint.prefix_aware else 0
-            # equal cost: keep the prefix where it is (a copy elsewhere would evict others;
-            # and the holder's queue is overestimated: its in-flight work is partly done)
+            cached = _cached(hint, rid)
+            # equal cost: keep the prefix where it is (a copy elsewhere would evict others)
             return (queued + hint.prompt_tokens - cached, -cached, queued, running, tie)
         return (float(free < hint.kv_blocks), running, -free, tie)
 
@@ -85,26 +115,37 @@ class PdRequestRouter(RequestRouter):
         if hint is not None:
             blocks = hint.kv_blocks
             if hint.computes_prompt:
-                cached = hint.cached_tokens.get(index_id(replica_id), 0) if hint.prefix_aware else 0
-                tokens = hint.prompt_tokens - cached
-        self._inflight[pending_request.metadata.internal_request_id] = (replica_id, tokens, blocks)
-        self._tokens[replica_id] += tokens
+                tokens = hint.prompt_tokens - _cached(hint, replica_id)
+        call = _Call(replica_id, tokens, blocks, self._now())
+        self._inflight[pending_request.metadata.internal_request_id] = call
         self._calls[replica_id] += 1
         self._blocks[replica_id] += blocks
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        entry = self._inflight.pop(internal_request_id, None)
-        if entry is None:
+        call = self._inflight.pop(internal_request_id, None)
+        if call is None:
             return
-        rid, tokens, blocks = entry
-        self._tokens[rid] -= tokens
+        rid = call.replica
         self._calls[rid] -= 1
-        self._blocks[rid] -= blocks
+        self._blocks[rid] -= call.blocks
+        now = self._now()
+        # service time: since it was routed, or since the replica's previous call finished
+        service = now - max(call.at, self._last_done.get(rid, call.at))
+        self._last_done[rid] = now
+        if call.tokens >= _RATE_MIN_TOKENS and service > 0:
+            sample = call.tokens / service
+            old = self._rate.get(rid)
+            self._rate[rid] = sample if old is None else old + _RATE_EWMA * (sample - old)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        for key in [k for k, v in self._inflight.items() if v[0] == replica_id]:
+        for key in [k for k, c in self._inflight.items() if c.replica == replica_id]:
             self.on_request_completed(replica_id, key)
+        self._rate.pop(replica_id, None)
+        super().on_replica_actor_died(replica_id)
+
+
+def _cached(hint: RouteHint, rid: ReplicaID) -> int:
+    return hint.cached_tokens.get(index_id(rid), 0) if hint.prefix_aware else 0
 
 
 def _hint(pending_request: PendingRequest | None) -> RouteHint | None:

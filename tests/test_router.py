@@ -18,9 +18,18 @@ class _Replica:  # the two attributes of RunningReplica the router reads
     routing_stats: dict = field(default_factory=dict)
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def _router() -> PdRequestRouter:
     r = PdRequestRouter.__new__(PdRequestRouter)  # the policy only; no Serve machinery
     r.initialize_state()
+    r._now = _Clock()  # time stands still unless a test moves it
     return r
 
 
@@ -74,7 +83,32 @@ def test_cold_prompts_and_least_loaded_go_by_queued_tokens():
     router.on_request_completed(a.replica_id, "q")
     hit = RouteHint(1000, {index_id(a.replica_id): 960}, True, 64)
     router.on_request_routed(_pending(hit, "h"), a.replica_id, None)
-    assert router._tokens[a.replica_id] == 40
+    assert router.queued_tokens(a.replica_id, router._now()) == 40
+
+
+def test_queued_work_drains_at_the_measured_prefill_rate():
+    router, (a, b) = _router(), _replicas(2)
+    clock = router._now
+    # no rate measured yet: everything in flight counts
+    router.on_request_routed(_pending(RouteHint(1000), "m"), a.replica_id, None)
+    clock.t += 2.0
+    assert router.queued_tokens(a.replica_id, clock.t) == 1000
+    router.on_request_completed(a.replica_id, "m")  # 1,000 tokens in 2 s: 500 tokens/s
+    # two calls routed together drain one after the other
+    router.on_request_routed(_pending(RouteHint(1000), "p"), a.replica_id, None)
+    router.on_request_routed(_pending(RouteHint(500), "q"), a.replica_id, None)
+    assert router.queued_tokens(a.replica_id, clock.t) == 1500
+    clock.t += 1.0
+    assert router.queued_tokens(a.replica_id, clock.t) == 1000
+    clock.t += 3.0  # past the estimate (the calls are slower than measured): nothing left
+    assert router.queued_tokens(a.replica_id, clock.t) == 0
+    # so a holder that has been busy a while wins its prefix back sooner than "full" counting
+    router.on_request_completed(a.replica_id, "p")
+    router.on_request_completed(a.replica_id, "q")
+    router.on_request_routed(_pending(RouteHint(1000), "r"), a.replica_id, None)
+    clock.t += 1.5  # most of it done at the measured ~425-500 tokens/s
+    hint = RouteHint(1000, {index_id(a.replica_id): 960}, True, 64)
+    assert _first(router, [a, b], hint) is a  # what is left + 40 < 1,000
 
 
 def test_decode_by_room_for_the_blocks_then_running_then_free_blocks():
@@ -94,4 +128,4 @@ def test_a_dead_replicas_in_flight_work_is_forgotten():
     # the base class's own replica bookkeeping, empty here (no Serve machinery)
     router._replicas, router._replica_id_set, router._queue_len_gauge_last_update = {}, set(), {}
     router.on_replica_actor_died(a.replica_id)
-    assert router._tokens[a.replica_id] == 0 and not router._inflight
+    assert router.queued_tokens(a.replica_id, router._now()) == 0 and not router._inflight
