@@ -29,7 +29,9 @@ Ranks are single replicas in cost order; Serve sends to the first one whose queu
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from services.pd_flow import RouteHint
+
+log = logging.getLogger(__name__)
 
 
 def index_id(replica_id: Any) -> str:
@@ -59,7 +63,13 @@ class _Call:
 
 
 class PdRequestRouter(RequestRouter):
+    """Invariants: Serve calls the hooks from more than one thread (routing runs on the
+    router's loop, completions arrive on the caller's), so every read and write of the
+    bookkeeping holds ``_lock``; and a failure inside the policy never strands a request: it
+    is logged and the call goes to any replica."""
+
     def initialize_state(self, **kwargs: Any) -> None:
+        self._lock = threading.Lock()
         self._now = time.monotonic  # a seam for the unit tests' clock
         self._inflight: dict[str, _Call] = {}  # by Serve's internal request id
         self._calls: Counter[ReplicaID] = Counter()
@@ -72,15 +82,20 @@ class PdRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        hint = _hint(pending_request)
-        now = self._now()
-        ranked = sorted(candidate_replicas, key=lambda r: self._key(r, hint, now))
-        return [[r] for r in ranked]
+        try:
+            hint = _hint(pending_request)
+            now = self._now()
+            with self._lock:
+                ranked = sorted(candidate_replicas, key=lambda r: self._key(r, hint, now))
+            return [[r] for r in ranked]
+        except Exception:  # a bug in the policy must not hang the request
+            log.exception("request router failed; routing this call to any replica")
+            return [list(candidate_replicas)]
 
     def queued_tokens(self, rid: ReplicaID, now: float) -> float:
         """Prefill tokens still to compute on ``rid`` from this router's calls: the calls
         drain first-in first-out at the replica's measured rate (all of them until a rate is
-        known), so a cold prompt routed 2 s ago no longer counts in full."""
+        known), so a cold prompt routed 2 s ago no longer counts in full. Holds ``_lock``."""
         calls = sorted((c.at, c.tokens) for c in self._inflight.values() if c.replica == rid)
         rate = self._rate.get(rid)
         if rate is None:
@@ -117,11 +132,16 @@ class PdRequestRouter(RequestRouter):
             if hint.computes_prompt:
                 tokens = hint.prompt_tokens - _cached(hint, replica_id)
         call = _Call(replica_id, tokens, blocks, self._now())
-        self._inflight[pending_request.metadata.internal_request_id] = call
-        self._calls[replica_id] += 1
-        self._blocks[replica_id] += blocks
+        with self._lock:
+            self._inflight[pending_request.metadata.internal_request_id] = call
+            self._calls[replica_id] += 1
+            self._blocks[replica_id] += blocks
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        with self._lock:
+            self._complete(internal_request_id)
+
+    def _complete(self, internal_request_id: str) -> None:
         call = self._inflight.pop(internal_request_id, None)
         if call is None:
             return
@@ -138,9 +158,10 @@ class PdRequestRouter(RequestRouter):
             self._rate[rid] = sample if old is None else old + _RATE_EWMA * (sample - old)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        for key in [k for k, c in self._inflight.items() if c.replica == replica_id]:
-            self.on_request_completed(replica_id, key)
-        self._rate.pop(replica_id, None)
+        with self._lock:
+            for key in [k for k, c in self._inflight.items() if c.replica == replica_id]:
+                self._complete(key)
+            self._rate.pop(replica_id, None)
         super().on_replica_actor_died(replica_id)
 
 

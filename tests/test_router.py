@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -84,6 +85,48 @@ def test_cold_prompts_and_least_loaded_go_by_queued_tokens():
     hit = RouteHint(1000, {index_id(a.replica_id): 960}, True, 64)
     router.on_request_routed(_pending(hit, "h"), a.replica_id, None)
     assert router.queued_tokens(a.replica_id, router._now()) == 40
+
+
+def test_a_failing_policy_still_routes_the_call():
+    router, replicas = _router(), _replicas(2)
+    hint = RouteHint(100, {"prefill-r0": "not a number"}, True, 8)  # type: ignore[dict-item]
+    ranks = asyncio.run(router.choose_replicas(replicas, _pending(hint)))
+    assert ranks == [replicas]  # any replica, rather than a request that waits forever
+
+
+def test_bookkeeping_is_safe_across_threads():
+    import threading
+
+    router, replicas = _router(), _replicas(2)
+    for i in range(3000):  # a long in-flight table: each ranking walks it
+        router.on_request_routed(_pending(RouteHint(500), f"old-{i}"), replicas[0].replica_id, None)
+    stop = threading.Event()
+
+    def churn(k: int) -> None:  # completions arrive on another thread than routing
+        i = 0
+        while not stop.is_set():
+            rid = f"{k}-{i}"
+            router.on_request_routed(
+                _pending(RouteHint(500), rid), replicas[i % 2].replica_id, None
+            )
+            router.on_request_completed(replicas[i % 2].replica_id, rid)
+            i += 1
+
+    threads = [threading.Thread(target=churn, args=(k,)) for k in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so unguarded iteration would break
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(300):
+            ranks = asyncio.run(router.choose_replicas(replicas, _pending(RouteHint(100))))
+            assert len(ranks) == 2  # the policy's ranking, never the failure fallback
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
+    assert len(router._inflight) == 3000
 
 
 def test_queued_work_drains_at_the_measured_prefill_rate():
