@@ -87,18 +87,15 @@ class EngineReplica:
         self.index_id = index_id(rid) if rid is not None else unique_replica_id(role)
         self.publisher: IndexPublisher | None = None
         if index is not None:
-            self.publisher = IndexPublisher(
+            pub = IndexPublisher(
                 index,
                 self.index_id,
                 lambda: self.engine.call(lambda e: e.blocks.cached_hashes()),
                 ttl_s=cfg.index_lease_ttl_s,
             )
             # NOTE: set before any request runs; the hooks only append to a deque
-            self.engine.call(
-                lambda e: e.blocks.set_listeners(
-                    self.publisher.on_cached, self.publisher.on_evicted
-                )  # type: ignore[union-attr]
-            )
+            self.engine.call(lambda e: e.blocks.set_listeners(pub.on_cached, pub.on_evicted))
+            self.publisher = pub
 
     def stats(self) -> EngineStats:
         return self.engine.call(Engine.stats)
