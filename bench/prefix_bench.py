@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import os
 import random
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -53,11 +54,12 @@ def prefill_computed(app: str, n: int) -> int:
 
     handle = serve.get_deployment_handle("prefill", app_name=app)
     seen: dict[str, int] = {}
-    for _ in range(200):
+    for _ in range(1500):  # the router picks the least busy replica by its last report
         info = handle.replica_stats.remote().result()
         seen[info.identity] = info.stats.prompt_tokens_computed
         if len(seen) == n:
             return sum(seen.values())
+        time.sleep(0.02)
     raise RuntimeError(f"could not reach all {n} prefill replicas of {app}")
 
 

@@ -54,17 +54,20 @@ def undeploy(names) -> None:  # type: ignore[no-untyped-def]
 
 
 def replica_stats(app: str, deployment: str, n_replicas: int) -> dict[str, object]:
-    """``ReplicaInfo`` of every replica of a deployment, by identity (the router spreads
-    these stat calls at random, so enough calls reach each one)."""
+    """``ReplicaInfo`` of every replica of a deployment, by identity. The router sends these
+    calls to the replica with the fewest running requests (ties at random), as its last
+    report says; reports refresh every ``routing_stats_period_s``, so keep asking a while."""
+    import time
+
     from ray import serve
 
     handle = serve.get_deployment_handle(deployment, app_name=app)
     seen: dict[str, object] = {}
-    for _ in range(100):
+    deadline = time.monotonic() + 30
+    while len(seen) < n_replicas and time.monotonic() < deadline:
         info = handle.replica_stats.remote().result()
         seen[info.identity] = info
-        if len(seen) == n_replicas:
-            break
+        time.sleep(0.02)
     assert len(seen) == n_replicas
     return seen
 
