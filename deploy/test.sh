@@ -7,6 +7,6 @@ cd "$root"
 # NOTE: one torch thread per process; on a 2-core machine two threads run 10-20x slower as soon
 # as another process wants a core.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
-.venv/bin/ruff check services kvtransfer tests bench
-.venv/bin/ruff format --check --quiet services kvtransfer tests bench
+.venv/bin/ruff check services kvtransfer tests bench client --extend-exclude '*_pb2*'
+.venv/bin/ruff format --check --quiet --extend-exclude '*_pb2*' services kvtransfer tests bench client
 exec .venv/bin/python -m pytest "$@"
