@@ -60,6 +60,7 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--block-size", type=int, default=None)
     srv.add_argument("--http-host", default=None)
     srv.add_argument("--http-port", type=int, default=None)
+    srv.add_argument("--grpc-port", type=int, default=None, help="public gRPC API; 0 = off")
     for pool in ("prefill", "decode"):
         srv.add_argument(f"--{pool}-replicas", type=int, default=None)
         srv.add_argument(f"--{pool}-kv-blocks", type=int, default=None)
@@ -85,6 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
             "block_size",
             "http_host",
             "http_port",
+            "grpc_port",
         )
     }
     overrides: dict[str, object] = {k: v for k, v in flat.items() if v is not None}

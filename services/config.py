@@ -52,6 +52,9 @@ class ServeConfig(BaseModel):
     device: str = Field("cpu", description="cpu or cuda")
     http_host: str = Field("127.0.0.1", description="HTTP bind address")
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP API")
+    grpc_port: int = Field(
+        50051, ge=0, le=65535, description="public gRPC API (pdserve.v1), on http_host; 0 = off"
+    )
     kv_transport: str = Field("grpc", description="KV transport (see kvtransfer.transport)")
     kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one KV pull")
     kv_hold_timeout_s: float = Field(

@@ -41,7 +41,12 @@ def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int
             f"{cfg.decode.replicas} decode replicas)\n"
             f"  OpenAI API: {base}/v1  (completions, chat/completions, models)\n"
             f"  health:     {base}/health\n  metrics:    {base}/metrics\n"
-            "Ctrl-C stops it.",
+            + (
+                f"  gRPC API:   {cfg.http_host}:{cfg.grpc_port}  (pdserve.v1.Generation)\n"
+                if cfg.grpc_port
+                else ""
+            )
+            + "Ctrl-C stops it.",
             flush=True,
         )
         if ready is not None:

@@ -28,6 +28,8 @@ def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):
             "serve",
             "--http-port",
             str(port),
+            "--grpc-port",
+            str(free_port()),
             "--decode-kv-blocks",
             "256",
             "--prefill-kv-blocks",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -27,7 +28,19 @@ def error_body(status: int, message: str, param: str | None = None) -> JSONRespo
 
 
 def build_http_app(gw: Gateway) -> FastAPI:
-    app = FastAPI(title="pdserve", version="0.1.0")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # the gRPC API shares the gateway's event loop and lifetime (see grpc_api)
+        server = None
+        if gw.cfg.grpc_port:
+            from services.gateway.grpc_api import start_grpc_server
+
+            server = await start_grpc_server(gw, gw.cfg.http_host, gw.cfg.grpc_port)
+        yield
+        if server is not None:
+            await server.stop(5)
+
+    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
 
     @app.exception_handler(InvalidRequestError)
     async def _bad(_: Request, e: InvalidRequestError) -> JSONResponse:

@@ -40,7 +40,7 @@ def deploy(apps: dict[str, tuple[str, dict]]) -> None:
     from tests.fixtures import wait_until_ok
 
     for name, (prefix, over) in apps.items():
-        cfg = load_config(overrides=over, environ={})
+        cfg = load_config(overrides={"grpc_port": 0, **over}, environ={})
         serve.run(build_app(cfg), name=name, route_prefix=prefix or "/", blocking=False)
     for prefix, _ in apps.values():
         wait_until_ok(f"{BASE}{prefix}/health", 300)

@@ -1,0 +1,132 @@
+"""The public gRPC API on a real local cluster, through a real channel: the same tokens as the
+HTTP API, status codes naming the bad field, health, reflection, and deadlines / cancels that
+free the decode replica's blocks."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc as pb_grpc
+
+from tests.cluster.conftest import MODEL, complete, deploy, replica_stats, undeploy
+from tests.fixtures import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+APP, PREFIX = "rpc", "/rpc"
+
+
+@pytest.fixture(scope="module")
+def channel(ray_serve):
+    port = free_port()
+    pools = {"num_kv_blocks": 256}
+    deploy({APP: (PREFIX, {"grpc_port": port, "prefill": pools, "decode": pools})})
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(ch).result(timeout=60)
+    yield ch
+    ch.close()
+    undeploy([APP])
+
+
+def _stream(stub, **fields):  # type: ignore[no-untyped-def]
+    ids, summary = [], None
+    for msg in stub.Generate(pb.GenerateRequest(**fields), timeout=300):
+        if msg.WhichOneof("kind") == "chunk":
+            ids.extend(msg.chunk.token_ids)
+        else:
+            summary = msg.summary
+    return ids, summary
+
+
+def _idle_decode() -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        (info,) = replica_stats(APP, "decode", 1).values()
+        if info.stats.blocks_used == 0 and info.stats.num_running == 0:
+            return
+        assert time.monotonic() < deadline, info.stats
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_streamed_tokens_equal_the_http_apis(channel, seed):
+    stub = pb_grpc.GenerationStub(channel)
+    sampling = pb.SamplingParams(max_tokens=10, ignore_eos=True)
+    body = {"prompt": "The capital of Japan is", "max_tokens": 10, "ignore_eos": True}
+    if seed is None:
+        sampling.temperature = 0.0
+        body["temperature"] = 0
+    else:
+        sampling.temperature, sampling.seed = 0.8, seed
+        body |= {"temperature": 0.8, "seed": seed}
+    ids, summary = _stream(stub, model=MODEL, text=body["prompt"], sampling=sampling)
+    want, _ = complete(body, prefix=PREFIX)
+    assert ids == want and len(ids) == 10
+    assert summary.finish_reason == pb.FINISH_REASON_LENGTH
+    assert summary.usage.completion_tokens == 10
+    assert summary.usage.prompt_tokens == len(
+        stub.Tokenize(pb.TokenizeRequest(text=body["prompt"])).token_ids
+    )
+    assert summary.timing.first_token_s > 0 and summary.timing.e2e_s >= summary.timing.first_token_s
+    assert summary.request_id
+
+
+def test_bad_arguments_name_the_field(channel):
+    stub = pb_grpc.GenerationStub(channel)
+    cases = [
+        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
+        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=3)), "top_p"),
+        (pb.GenerateRequest(), "prompt"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 999999])), "prompt"),
+        (pb.GenerateRequest(chat=pb.ChatMessages()), "chat.messages"),
+    ]
+    for req, field in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+        assert e.value.details().startswith(field), e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(model="gpt-9", text="hi"), timeout=60))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_tokenize_models_health_and_reflection(channel, smollm_engine):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = pb_grpc.GenerationStub(channel)
+    got = stub.Tokenize(pb.TokenizeRequest(text="Hello, world")).token_ids
+    assert list(got) == smollm_engine.tokenizer.encode("Hello, world")
+    (model,) = stub.ListModels(pb.ListModelsRequest()).models
+    assert model.id == MODEL and model.max_model_len > 0
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "pdserve.v1.Generation"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (answer,) = refl.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_a_deadline_or_a_cancel_aborts_and_frees_the_blocks(channel):
+    stub = pb_grpc.GenerationStub(channel)
+    long = pb.GenerateRequest(
+        text="Tell me a long story.", sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True)
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(long, timeout=3.0))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _idle_decode()
+    call = stub.Generate(long, timeout=300)
+    for n, _ in enumerate(call):
+        if n == 3:
+            call.cancel()
+            break
+    assert call.code() == grpc.StatusCode.CANCELLED
+    _idle_decode()
