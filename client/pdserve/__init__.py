@@ -2,5 +2,5 @@
 ``proto/pdserve/v1/generate.proto`` by ``deploy/gen_proto.sh``; never edited by hand).
 
 A separate small distribution (``client/pyproject.toml``) so applications can install it
-without torch or ray. The sync and asyncio SDK clients are the rest of issue 5.
+without torch or ray. The SDK: ``pdserve.client`` (``Client``, ``AsyncClient``).
 """

@@ -17,14 +17,15 @@ from tests.fixtures import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 APP, PREFIX = "rpc", "/rpc"
+PORT = free_port()
+TARGET = f"127.0.0.1:{PORT}"
 
 
 @pytest.fixture(scope="module")
 def channel(ray_serve):
-    port = free_port()
     pools = {"num_kv_blocks": 256}
-    deploy({APP: (PREFIX, {"grpc_port": port, "prefill": pools, "decode": pools})})
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    deploy({APP: (PREFIX, {"grpc_port": PORT, "prefill": pools, "decode": pools})})
+    ch = grpc.insecure_channel(TARGET)
     grpc.channel_ready_future(ch).result(timeout=60)
     yield ch
     ch.close()
@@ -130,3 +131,61 @@ def test_a_deadline_or_a_cancel_aborts_and_frees_the_blocks(channel):
             break
     assert call.code() == grpc.StatusCode.CANCELLED
     _idle_decode()
+
+
+def test_sdk_clients_give_the_http_apis_tokens(channel):
+    import asyncio
+
+    from pdserve.client import AsyncClient, Client
+
+    body = {"prompt": "Water boils at", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    want, _ = complete(body, prefix=PREFIX)
+    kw = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    with Client(TARGET) as c:
+        r = c.complete(body["prompt"], timeout=120, **kw)
+        assert r.token_ids == want and r.finish_reason == "length"
+        assert r.ttft_s is not None and len(r.itl_s) == 7  # one token per chunk after prefill
+        assert r.usage["completion_tokens"] == 8 and r.server_timing["e2e_s"] > 0
+        assert c.models() == [MODEL]
+
+    async def streamed():
+        async with AsyncClient(TARGET) as c:
+            return [t async for ch in c.generate(body["prompt"], **kw) for t in ch.token_ids]
+
+    assert asyncio.run(streamed()) == want
+
+
+def test_sdk_works_from_a_fresh_venv_without_torch(channel, tmp_path):
+    import subprocess
+    import venv
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    venv.EnvBuilder(with_pip=True).create(tmp_path / "v")
+    py = tmp_path / "v" / "bin" / "python"
+    subprocess.run(
+        [
+            py,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-c",
+            repo / "deploy/constraints.txt",
+            repo / "client",
+        ],
+        check=True,
+    )
+    code = (
+        "import importlib.util, sys; from pdserve.client import Client; "
+        "assert importlib.util.find_spec('torch') is None and importlib.util.find_spec('ray') is None; "
+        f"print(Client({TARGET!r}).complete('Water boils at', max_tokens=8, temperature=0.0, "
+        "ignore_eos=True, timeout=120).token_ids)"
+    )
+    out = subprocess.run([py, "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path)
+    want, _ = complete(
+        {"prompt": "Water boils at", "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        prefix=PREFIX,
+    )
+    assert out.stdout.strip() == str(want)
