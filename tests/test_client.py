@@ -55,6 +55,7 @@ def test_unavailable_before_the_first_token_is_retried(server):
     assert servicer.calls == 3
     assert (r.token_ids, r.text, r.finish_reason, r.request_id) == ([1, 2, 3], "abc", "length", "r")
     assert r.usage["completion_tokens"] == 3 and r.ttft_s is not None and len(r.itl_s) == 1
+    assert r.server_timing["kv_transfer_s"] == 0.0  # zeros are reported, not dropped
 
 
 def test_retries_run_out_and_the_error_surfaces(server):

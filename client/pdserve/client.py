@@ -96,7 +96,8 @@ class _Recorder:
             "completion_tokens": s.usage.completion_tokens,
             "cached_tokens": s.usage.cached_tokens,
         }
-        r.server_timing = {f.name: v for f, v in s.timing.ListFields()}
+        # every field, zeros included (ListFields would drop them)
+        r.server_timing = {f.name: getattr(s.timing, f.name) for f in s.timing.DESCRIPTOR.fields}
         r.request_id = s.request_id
 
 
