@@ -156,11 +156,16 @@ def test_sdk_clients_give_the_http_apis_tokens(channel):
 
 
 def test_sdk_works_from_a_fresh_venv_without_torch(channel, tmp_path):
+    import shutil
     import subprocess
     import venv
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
+    # NOTE: install from a copy: pip builds in the source folder and would leave build/ there
+    src = shutil.copytree(
+        repo / "client", tmp_path / "client", ignore=shutil.ignore_patterns("build", "*.egg-info")
+    )
     venv.EnvBuilder(with_pip=True).create(tmp_path / "v")
     py = tmp_path / "v" / "bin" / "python"
     subprocess.run(
@@ -173,7 +178,7 @@ def test_sdk_works_from_a_fresh_venv_without_torch(channel, tmp_path):
             "--disable-pip-version-check",
             "-c",
             repo / "deploy/constraints.txt",
-            repo / "client",
+            src,
         ],
         check=True,
     )
