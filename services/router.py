@@ -33,7 +33,6 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +71,6 @@ class PdRequestRouter(RequestRouter):
         self._lock = threading.Lock()
         self._now = time.monotonic  # a seam for the unit tests' clock
         self._inflight: dict[str, _Call] = {}  # by Serve's internal request id
-        self._calls: Counter[ReplicaID] = Counter()
-        self._blocks: Counter[ReplicaID] = Counter()
         self._rate: dict[ReplicaID, float] = {}  # measured prefill tokens/s, per replica
         self._last_done: dict[ReplicaID, float] = {}
 
@@ -96,23 +93,30 @@ class PdRequestRouter(RequestRouter):
         """Prefill tokens still to compute on ``rid`` from this router's calls: the calls
         drain first-in first-out at the replica's measured rate (all of them until a rate is
         known), so a cold prompt routed 2 s ago no longer counts in full. Holds ``_lock``."""
-        calls = sorted((c.at, c.tokens) for c in self._inflight.values() if c.replica == rid)
+        return self._load(rid, now)[0]
+
+    def _load(self, rid: ReplicaID, now: float) -> tuple[float, int, int]:
+        """(queued prefill tokens, calls, KV blocks) this router has in flight on ``rid``."""
+        calls = sorted(
+            (c.at, c.tokens, c.blocks) for c in self._inflight.values() if c.replica == rid
+        )
+        blocks = sum(b for _, _, b in calls)
         rate = self._rate.get(rid)
         if rate is None:
-            return float(sum(t for _, t in calls))
+            return float(sum(t for _, t, _ in calls)), len(calls), blocks
         finish = 0.0
-        for at, tokens in calls:
+        for at, tokens, _ in calls:
             finish = max(finish, at) + tokens / rate
-        return max(0.0, finish - now) * rate
+        return max(0.0, finish - now) * rate, len(calls), blocks
 
     def _key(self, r: RunningReplica, hint: RouteHint | None, now: float) -> tuple[float, ...]:
         stats = r.routing_stats or {}
         rid = r.replica_id
-        queued = self.queued_tokens(rid, now)
-        running = max(self._calls[rid], int(stats.get("num_running", 0)))
+        queued, calls, blocks = self._load(rid, now)
+        running = max(calls, int(stats.get("num_running", 0)))
         free = int(stats.get("blocks_free", 1 << 30))
         if "blocks_total" in stats:
-            free = min(free, int(stats["blocks_total"]) - self._blocks[rid])
+            free = min(free, int(stats["blocks_total"]) - blocks)
         tie = random.random()  # equal replicas: spread, never always the first
         if hint is None:
             return (queued, running, tie)
@@ -134,8 +138,6 @@ class PdRequestRouter(RequestRouter):
         call = _Call(replica_id, tokens, blocks, self._now())
         with self._lock:
             self._inflight[pending_request.metadata.internal_request_id] = call
-            self._calls[replica_id] += 1
-            self._blocks[replica_id] += blocks
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:
@@ -146,8 +148,6 @@ class PdRequestRouter(RequestRouter):
         if call is None:
             return
         rid = call.replica
-        self._calls[rid] -= 1
-        self._blocks[rid] -= call.blocks
         now = self._now()
         # service time: since it was routed, or since the replica's previous call finished
         service = now - max(call.at, self._last_done.get(rid, call.at))
