@@ -56,6 +56,7 @@ def build_app(cfg: ServeConfig):  # -> serve Application
         num_replicas=cfg.decode.replicas,
         ray_actor_options=_actor_options(cfg.decode),
         max_ongoing_requests=cfg.decode.max_num_seqs,
+        max_queued_requests=cfg.decode.max_queued_requests,
         request_router_config=router,
     ).bind(cfg, decode_role, index)
     if cfg.mode == "colocated":
@@ -67,13 +68,16 @@ def build_app(cfg: ServeConfig):  # -> serve Application
             num_replicas=cfg.prefill.replicas,
             ray_actor_options=_actor_options(cfg.prefill),
             max_ongoing_requests=cfg.prefill.max_num_seqs,
+            max_queued_requests=cfg.prefill.max_queued_requests,
             request_router_config=router,
         ).bind(cfg, index)
     gateway = serve.deployment(
         serve.ingress()(_GatewayIngress),
         name="gateway",
         ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=1000,
+        # NOTE: the gateway's own admission (max_inflight_requests) refuses overload with a
+        # retry hint; Ray's limit sits above it so /health and /metrics still get through
+        max_ongoing_requests=cfg.max_inflight_requests + 64,
     )
     return gateway.bind(prefill, decode, cfg, index)
 

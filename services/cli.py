@@ -4,6 +4,8 @@ Sub-commands:
   serve      start (or join) a Ray cluster and deploy the disaggregated app (HTTP on :8000).
   generate   run one prompt (or chat message) on a single-process engine, no Ray; streams the
              text, then prints TTFT, mean ITL and tokens/s.
+  client     call a running cluster's gRPC API: generate | chat | tokenize | models | health
+             (``pdserve client --help``; the same as the SDK's ``pdserve-client``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     _add_engine_args(gen)
+
+    # NOTE: parsed by pdserve.cli (the SDK's); listed here for --help only, see main()
+    sub.add_parser("client", help="call a running cluster's gRPC API (see pdserve client -h)")
 
     srv = sub.add_parser("serve", help="start or join a Ray cluster and deploy (Ctrl-C stops)")
     srv.add_argument("--config", default=None, help="YAML config file (see deploy/pdserve.yaml)")
@@ -166,6 +171,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["client"]:
+        from pdserve.cli import main as client_main
+
+        return client_main(argv[1:])
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "generate":

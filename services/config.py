@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from services.engine.config import EngineConfig
 
@@ -30,6 +30,12 @@ class PoolConfig(BaseModel):
     num_kv_blocks: int = Field(1024, ge=16, description="KV blocks per replica")
     max_num_seqs: int = Field(64, ge=1, description="running requests per replica")
     max_num_batched_tokens: int = Field(1024, ge=16, description="per-step token budget")
+    max_queued_requests: int = Field(
+        -1,
+        ge=-1,
+        description="requests that may wait for this pool's replicas beyond max_num_seqs each; "
+        "more are refused as overload (HTTP 429 / RESOURCE_EXHAUSTED); -1 = unbounded",
+    )
 
 
 class ServeConfig(BaseModel):
@@ -54,6 +60,24 @@ class ServeConfig(BaseModel):
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP API")
     grpc_port: int = Field(
         50051, ge=0, le=65535, description="public gRPC API (pdserve.v1), on http_host; 0 = off"
+    )
+    grpc_tls_cert: str | None = Field(
+        None, description="PEM certificate chain: serve the gRPC API over TLS (needs the key)"
+    )
+    grpc_tls_key: str | None = Field(None, description="PEM private key of grpc_tls_cert")
+    auth_token: SecretStr | None = Field(
+        None,
+        description="bearer token the HTTP (/v1/*) and gRPC APIs require (PDSERVE_AUTH_TOKEN); "
+        "None = no authentication",
+    )
+    max_inflight_requests: int = Field(
+        1000,
+        ge=1,
+        description="requests one gateway replica serves at once (HTTP and gRPC together); "
+        "more are refused as overload (HTTP 429 / RESOURCE_EXHAUSTED)",
+    )
+    retry_after_s: float = Field(
+        1.0, gt=0, description="retry hint sent with an overload refusal (Retry-After)"
     )
     kv_transport: str = Field("grpc", description="KV transport (see kvtransfer.transport)")
     kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one KV pull")
@@ -89,6 +113,12 @@ class ServeConfig(BaseModel):
     )
     prefill: PoolConfig = PoolConfig(resource="prefill_pool")
     decode: PoolConfig = PoolConfig(resource="decode_pool")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServeConfig:
+        if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
+            raise ValueError("grpc_tls_cert and grpc_tls_key must be given together")
+        return self
 
     def engine_config(
         self, pool: PoolConfig, role: Literal["both", "prefill", "decode"]

@@ -3,6 +3,8 @@ and a teardown that checks every engine's block accounting is back to idle."""
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -229,3 +231,47 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield f"redis://:s3cret@127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(timeout=10)
+
+
+def make_tls_certs(tmp: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for 127.0.0.1 signed by it, as PEM files in ``tmp``:
+    (server certificate, server key, CA certificate)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject, key, issuer, issuer_key, ca):  # type: ignore[no-untyped-def]
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            b = b.add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False,
+            )
+        return b.sign(issuer_key, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = cert("pdserve test CA", ca_key, "pdserve test CA", ca_key, True)
+    server = cert("127.0.0.1", key, "pdserve test CA", ca_key, False)
+    paths = tmp / "server.crt", tmp / "server.key", tmp / "ca.crt"
+    paths[0].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+    paths[2].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    return paths

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from ray.serve.exceptions import BackPressureError
 
 from services.config import ServeConfig
 from services.engine.block_hash import hash_blocks
@@ -33,6 +34,8 @@ from services.engine.errors import InvalidRequestError
 from services.engine.loader import read_model_config, resolve_model
 from services.engine.sampling_params import SamplingParams, check_prompt
 from services.engine.tokenizer import Tokenizer
+from services.gateway.admission import Admission, OverloadedError
+from services.gateway.auth import TokenCheck
 from services.pd_flow import (
     GenerateSpec,
     KVTransferFailedError,
@@ -181,6 +184,10 @@ class Gateway:
         self.max_model_len = self.model_config.max_position_embeddings
         self.metrics = Metrics()
         self.metrics.index_up.set(1 if self.index is not None else 0)
+        self.admission = Admission(
+            cfg.max_inflight_requests, cfg.retry_after_s, self.metrics.registry
+        )
+        self.auth = TokenCheck(cfg.auth_token)
 
     # ---- request shaping (pure) ----------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -206,7 +213,18 @@ class Gateway:
 
     # ---- the flow ------------------------------------------------------------------------
     async def generate(self, spec: GenerateSpec, timing: Timing) -> AsyncIterator[TokenChunk]:
-        """Streams every token of the request, first token included."""
+        """Streams every token of the request, first token included. Raises OverloadedError
+        (before any token) when this gateway or a pool's queue is full."""
+        with self.admission.slot():
+            try:
+                async for chunk in self._flow(spec, timing):
+                    yield chunk
+            except BackPressureError:  # a pool's max_queued_requests reached
+                raise OverloadedError(
+                    "the cluster's request queues are full; retry later", self.cfg.retry_after_s
+                ) from None
+
+    async def _flow(self, spec: GenerateSpec, timing: Timing) -> AsyncIterator[TokenChunk]:
         deadline = self.cfg.request_timeout_s
         n = len(spec.prompt_ids)
         cached = await self.lookup(spec.prompt_ids)

@@ -8,11 +8,20 @@ deadline would reach the flow only through the proxy's own handling. Our server 
 gateway replica's event loop (started with the HTTP app's lifespan), so a cancelled or timed
 out call cancels the flow directly: the decode stream is cancelled and the replica aborts the
 request and frees its blocks.
+
+Resumed streams (``resume_from = k``) are served by replay: the request runs again from its
+prompt (the prefix cache usually holds it) and the first k tokens are dropped here. Greedy and
+seeded sampling draw token i from (seed, i) alone, so the replay is the original stream; it
+costs k decode steps, and needs no state kept between calls, so any gateway can resume any
+stream. Chunks carry one token each (one engine step per chunk), so dropping whole chunks
+drops exactly the text the client already has.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,6 +32,7 @@ from pdserve.v1 import generate_pb2_grpc as pb_grpc
 
 from services.engine.errors import InvalidRequestError
 from services.engine.sampling_params import SamplingParams
+from services.gateway.admission import OverloadedError
 from services.gateway.gateway import Gateway, ServiceUnavailableError, Timing
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
@@ -66,8 +76,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         gw = self.gw
         try:
             self._check_model(request.model)
-            if request.resume_from:
-                raise NotImplementedError("resume_from is not supported yet")
             which = request.WhichOneof("prompt")
             if which == "text":
                 ids = gw.prompt_ids(request.text)
@@ -77,18 +85,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 ids = list(request.token_ids.ids)
             else:
                 raise InvalidRequestError("prompt", "set one of text, chat or token_ids")
-            spec = gw.spec(ids, sampling_params(request.sampling))
+            params = sampling_params(request.sampling)
+            _check_resume(request, params)
+            spec = gw.spec(ids, params)
         except Exception as e:
             await _abort(context, e)
         timing = Timing()
         n_out = 0
         finish = None
         try:
-            async for c in gw.generate(spec, timing):
-                n_out += len(c.token_ids)
-                finish = c.finish_reason or finish
-                chunk = pb.TokenChunk(token_ids=c.token_ids, text=c.text, logprobs=c.logprobs or ())
-                yield pb.GenerateResponse(chunk=chunk)
+            async with contextlib.aclosing(gw.generate(spec, timing)) as chunks:
+                async for c in chunks:
+                    out = _unseen(c, n_out, request.resume_from)
+                    n_out += len(c.token_ids)
+                    finish = c.finish_reason or finish
+                    if out is not None:
+                        yield pb.GenerateResponse(chunk=out)
         except Exception as e:
             gw.metrics.requests.labels(_status_label(e)).inc()
             await _abort(context, e)
@@ -146,11 +158,41 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.ListModelsResponse(models=[model])
 
 
+def _unseen(c: Any, seen: int, resume_from: int) -> pb.TokenChunk | None:
+    """The part of chunk ``c`` (after ``seen`` tokens of the stream) that a client holding
+    ``resume_from`` tokens lacks; None when it has all of it (a resumed stream's replay)."""
+    ids = c.token_ids[max(0, resume_from - seen) :]
+    if (c.token_ids and not ids) or (not c.token_ids and seen < resume_from):
+        return None
+    # NOTE: chunks carry one token, so one is all replay or all new and its text goes whole
+    lps = c.logprobs[len(c.logprobs) - len(ids) :] if c.logprobs else ()
+    return pb.TokenChunk(token_ids=ids, text=c.text, logprobs=lps)
+
+
+def _check_resume(request: pb.GenerateRequest, params: SamplingParams) -> None:
+    k = request.resume_from
+    if not k:
+        return
+    if params.temperature != 0 and params.seed is None:
+        raise InvalidRequestError(
+            "resume_from",
+            "a stream can be resumed only for greedy (temperature 0) or seeded requests",
+        )
+    if not request.request_id:
+        raise InvalidRequestError("request_id", "resume_from needs the original request's id")
+    if k > params.max_tokens:
+        raise InvalidRequestError(
+            "resume_from", f"is {k}, more than max_tokens ({params.max_tokens})"
+        )
+
+
 def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else 0.0
 
 
 def _status_label(e: BaseException) -> str:
+    if isinstance(e, OverloadedError):
+        return "overloaded"
     return "unavailable" if isinstance(e, ServiceUnavailableError) else "invalid"
 
 
@@ -162,14 +204,49 @@ async def _abort(context: grpc.aio.ServicerContext, e: BaseException) -> Any:
         await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else "not found")
     if isinstance(e, ServiceUnavailableError):
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-    if isinstance(e, NotImplementedError):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
+    if isinstance(e, OverloadedError):
+        ms = str(max(1, round(1000 * e.retry_after_s)))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), (("retry-after-ms", ms),))
     raise e
+
+
+class _BearerToken(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for calls without the configured token; health checks stay open (the
+    orchestrator's probes carry no token)."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.auth = gw.auth
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(f"/{health.SERVICE_NAME}/"):
+            return handler
+        auth = dict(details.invocation_metadata or ()).get("authorization")
+        if self.auth.ok(auth if isinstance(auth, str) else None):
+            return handler
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "a valid bearer token is required (authorization metadata)",
+            )
+
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        return make(
+            refuse,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
 
 async def start_grpc_server(gw: Gateway, host: str, port: int) -> grpc.aio.Server:
     """Serve the API, health and reflection on ``host:port`` on the running event loop."""
-    server = grpc.aio.server()
+    interceptors = [_BearerToken(gw)] if gw.auth.enabled else []
+    server = grpc.aio.server(interceptors=interceptors)
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -179,7 +256,15 @@ async def start_grpc_server(gw: Gateway, host: str, port: int) -> grpc.aio.Serve
     reflection.enable_server_reflection(
         (name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    if server.add_insecure_port(f"{host}:{port}") == 0:
+    cfg = gw.cfg
+    if cfg.grpc_tls_cert and cfg.grpc_tls_key:
+        creds = grpc.ssl_server_credentials(
+            [(Path(cfg.grpc_tls_key).read_bytes(), Path(cfg.grpc_tls_cert).read_bytes())]
+        )
+        bound = server.add_secure_port(f"{host}:{port}", creds)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
         raise OSError(f"gRPC API: cannot bind {host}:{port}")
     await server.start()
     return server

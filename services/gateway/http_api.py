@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,14 +15,19 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 
 from services.engine.errors import InvalidRequestError
+from services.gateway.admission import OverloadedError
 from services.gateway.gateway import Gateway, ServiceUnavailableError, Timing
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, parse
 
 
 def error_body(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(
-        status, "internal_error"
-    )
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        429: "overloaded_error",
+        503: "service_unavailable",
+    }.get(status, "internal_error")
     return JSONResponse(
         {"error": {"message": message, "type": kind, "param": param, "code": status}}, status
     )
@@ -41,6 +47,19 @@ def build_http_app(gw: Gateway) -> FastAPI:
             await server.stop(5)
 
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
+    open_paths = ("/health", "/metrics")  # probes and Prometheus scrape without a token
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):  # type: ignore[no-untyped-def]
+        if gw.auth.enabled:
+            path, root = request.scope["path"], request.scope.get("root_path", "")
+            if root and path.startswith(root):  # Serve mounts the app under its route prefix
+                path = path[len(root) :]
+            if path not in open_paths and not gw.auth.ok(request.headers.get("authorization")):
+                r = error_body(401, "a valid bearer token is required (Authorization header)")
+                r.headers["WWW-Authenticate"] = "Bearer"
+                return r
+        return await call_next(request)
 
     @app.exception_handler(InvalidRequestError)
     async def _bad(_: Request, e: InvalidRequestError) -> JSONResponse:
@@ -56,6 +75,13 @@ def build_http_app(gw: Gateway) -> FastAPI:
     async def _unavailable(_: Request, e: ServiceUnavailableError) -> JSONResponse:
         gw.metrics.requests.labels("unavailable").inc()
         return error_body(503, str(e))
+
+    @app.exception_handler(OverloadedError)
+    async def _overloaded(_: Request, e: OverloadedError) -> JSONResponse:
+        gw.metrics.requests.labels("overloaded").inc()
+        r = error_body(429, str(e))
+        r.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
+        return r
 
     async def body_of(request: Request) -> Any:
         try:
@@ -196,13 +222,14 @@ def build_http_app(gw: Gateway) -> FastAPI:
             yield "data: [DONE]\n\n"
             gw.metrics.observe(timing)
             gw.metrics.requests.labels("ok").inc()
-        except ServiceUnavailableError as e:
-            gw.metrics.requests.labels("unavailable").inc()
+        except (ServiceUnavailableError, OverloadedError) as e:
+            # NOTE: after the 200 the status travels in the event (OpenAI's convention)
+            code = 429 if isinstance(e, OverloadedError) else 503
+            gw.metrics.requests.labels("overloaded" if code == 429 else "unavailable").inc()
+            kind = "overloaded_error" if code == 429 else "service_unavailable"
             yield (
                 "data: "
-                + json.dumps(
-                    {"error": {"message": str(e), "type": "service_unavailable", "code": 503}}
-                )
+                + json.dumps({"error": {"message": str(e), "type": kind, "code": code}})
                 + "\n\n"
             )
         finally:
