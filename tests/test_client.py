@@ -205,4 +205,3 @@ def test_cli_commands(server, capsys):
     assert cli.main(["health", *t]) == 0 and capsys.readouterr().out == "SERVING\n"
     assert cli.main(["health", "--target", "127.0.0.1:1", "--timeout", "2"]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
-
