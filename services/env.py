@@ -24,4 +24,12 @@ CACHE_DIR = EnvVar(
 )
 GPU = EnvVar("PDSERVE_GPU", "0", "deploy/setup.sh: 1 installs the CUDA build of torch and Triton")
 
-REGISTRY: tuple[EnvVar, ...] = (CACHE_DIR, GPU)
+AUTH_TOKEN = EnvVar(
+    "PDSERVE_AUTH_TOKEN",
+    "",
+    "the bearer token the APIs require (read by the config loader as the auth_token field) "
+    "and the one `pdserve client` sends",
+)
+TARGET = EnvVar("PDSERVE_TARGET", "127.0.0.1:50051", "`pdserve client`: the gRPC API to call")
+
+REGISTRY: tuple[EnvVar, ...] = (CACHE_DIR, GPU, AUTH_TOKEN, TARGET)

@@ -3,6 +3,7 @@ and a teardown that checks every engine's block accounting is back to idle."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 from collections.abc import Callable, Iterator
@@ -275,3 +276,61 @@ def make_tls_certs(tmp: Path) -> tuple[Path, Path, Path]:
     )
     paths[2].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     return paths
+
+
+class TcpProxy:
+    """A loopback TCP proxy to ``127.0.0.1:upstream_port`` whose ``drop()`` cuts every open
+    connection at once, as a network failure would (both directions, no goodbye)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        import socket
+        import threading
+
+        self.upstream_port = upstream_port
+        self.connections = 0
+        self._open: list[Any] = []
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                down, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            up = socket.create_connection(("127.0.0.1", self.upstream_port))
+            with self._lock:
+                self.connections += 1
+                self._open += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: Any, dst: Any) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def drop(self) -> None:
+        import socket
+
+        with self._lock:
+            socks, self._open = self._open, []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self._listener.close()
+        self.drop()

@@ -42,11 +42,46 @@ def test_precedence_yaml_env_flags(tmp_path):
         ({"prefill": {"replicas": 0}}, "replicas"),
         ({"decode": {"num_kv_blocks": "many"}}, "num_kv_blocks"),
         ({"unknown_field": 1}, "unknown_field"),
+        ({"grpc_tls_cert": "/c.pem"}, "grpc_tls_key"),  # a certificate without its key
+        ({"max_inflight_requests": 0}, "max_inflight_requests"),
+        ({"decode": {"max_queued_requests": -2}}, "max_queued_requests"),
     ],
 )
 def test_bad_config_names_the_field(over, field):
     with pytest.raises(ValidationError, match=field):
         load_config(overrides=over, environ={})
+
+
+def test_auth_token_from_the_environment_is_secret_and_checked():
+    from services.gateway.auth import TokenCheck
+
+    cfg = load_config(environ={"PDSERVE_AUTH_TOKEN": "s3cr3t"})
+    assert "s3cr3t" not in repr(cfg) and "s3cr3t" not in str(cfg.model_dump())
+    check = TokenCheck(cfg.auth_token)
+    assert check.enabled and check.ok("Bearer s3cr3t")
+    assert not any(
+        map(check.ok, (None, "", "s3cr3t", "Bearer s3cr3t2", "Bearer s3cr3", "bearer s3cr3t"))
+    )
+    # unset or empty: no authentication at all (an empty token must not accept "Bearer ")
+    for environ in ({}, {"PDSERVE_AUTH_TOKEN": ""}):
+        check = TokenCheck(load_config(environ=environ).auth_token)
+        assert not check.enabled and check.ok(None)
+
+
+def test_admission_bounds_in_flight_requests_and_always_releases():
+    from prometheus_client import CollectorRegistry
+
+    from services.gateway.admission import Admission, OverloadedError
+
+    adm = Admission(2, 0.5, CollectorRegistry())
+    with adm.slot(), adm.slot():
+        with pytest.raises(OverloadedError) as e, adm.slot():
+            pass
+        assert e.value.retry_after_s == 0.5 and adm.inflight == 2
+    assert adm.inflight == 0
+    with pytest.raises(RuntimeError), adm.slot():  # an error inside releases the slot too
+        raise RuntimeError("boom")
+    assert adm.inflight == 0
 
 
 def test_serve_config_file_builds_the_app():

@@ -12,7 +12,9 @@ class TokenCheck:
     metadata entry. With no token configured every caller is allowed."""
 
     def __init__(self, token: SecretStr | None) -> None:
-        self._want = f"Bearer {token.get_secret_value()}".encode() if token else None
+        value = token.get_secret_value() if token is not None else ""
+        # NOTE: an empty token (PDSERVE_AUTH_TOKEN="") means no auth, never "accept 'Bearer '"
+        self._want = f"Bearer {value}".encode() if value else None
 
     @property
     def enabled(self) -> bool:

@@ -4,6 +4,7 @@ free the decode replica's blocks."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -12,7 +13,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
 
 from tests.cluster.conftest import MODEL, complete, deploy, replica_stats, undeploy
-from tests.fixtures import free_port
+from tests.fixtures import TcpProxy, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -83,6 +84,21 @@ def test_bad_arguments_name_the_field(channel):
         (pb.GenerateRequest(), "prompt"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 999999])), "prompt"),
         (pb.GenerateRequest(chat=pb.ChatMessages()), "chat.messages"),
+        # a sampled, unseeded stream cannot be replayed, so it cannot be resumed
+        (pb.GenerateRequest(text="hi", request_id="r", resume_from=2), "resume_from"),
+        (
+            pb.GenerateRequest(text="hi", resume_from=2, sampling=pb.SamplingParams(temperature=0)),
+            "request_id",
+        ),
+        (
+            pb.GenerateRequest(
+                text="hi",
+                request_id="r",
+                resume_from=5,
+                sampling=pb.SamplingParams(max_tokens=4, temperature=0),
+            ),
+            "resume_from",
+        ),
     ]
     for req, field in cases:
         with pytest.raises(grpc.RpcError) as e:
@@ -131,6 +147,67 @@ def test_a_deadline_or_a_cancel_aborts_and_frees_the_blocks(channel):
             break
     assert call.code() == grpc.StatusCode.CANCELLED
     _idle_decode()
+
+
+RESUMABLE = [
+    pytest.param({"temperature": 0.0}, id="greedy"),
+    pytest.param({"temperature": 0.8, "seed": 11}, id="seeded"),
+]
+
+
+@pytest.mark.parametrize("sampling", RESUMABLE)
+def test_a_resumed_stream_continues_the_uninterrupted_one_exactly(channel, sampling):
+    stub = pb_grpc.GenerationStub(channel)
+    n = 20
+    req = pb.GenerateRequest(
+        text="Once upon a time",
+        request_id="story-1",
+        sampling=pb.SamplingParams(max_tokens=n, ignore_eos=True, **sampling),
+    )
+
+    def chunks(r):  # type: ignore[no-untyped-def]
+        out, summary = [], None
+        for msg in stub.Generate(r, timeout=300):
+            if msg.WhichOneof("kind") == "chunk":
+                out.append((tuple(msg.chunk.token_ids), msg.chunk.text))
+            else:
+                summary = msg.summary
+        return out, summary
+
+    full, _ = chunks(req)
+    assert sum(len(ids) for ids, _ in full) == n
+    for k in (1, 7, n):
+        resumed = pb.GenerateRequest()
+        resumed.CopyFrom(req)
+        resumed.resume_from = k
+        got, summary = chunks(resumed)
+        # one token per chunk: the resumed stream is the original's chunks after the first k
+        assert got == full[k:], k
+        assert summary.usage.completion_tokens == n and summary.request_id == "story-1"
+        assert summary.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_the_sdk_resumes_a_dropped_connection(channel):
+    from pdserve.client import Client
+
+    proxy = TcpProxy(PORT)
+    kw = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True, "timeout": 300}
+    try:
+        with Client(f"127.0.0.1:{proxy.port}", backoff_s=0.05) as c:
+            want = c.complete("The history of Rome", **kw)
+            stream = c.generate("The history of Rome", **kw)
+            got: list[int] = []
+            for chunk in stream:
+                got.extend(chunk.token_ids)
+                if len(got) == 6 and stream.result.resumes == 0:
+                    proxy.drop()  # the network fails mid-stream
+        assert proxy.connections == 2  # the resumed call came over a fresh connection
+        assert stream.result.resumes == 1
+        assert got == want.token_ids and stream.result.text == want.text
+        assert stream.result.usage["completion_tokens"] == 24
+    finally:
+        proxy.close()
+    _idle_decode()  # the broken call was aborted on the replica
 
 
 def test_sdk_clients_give_the_http_apis_tokens(channel):
@@ -194,3 +271,11 @@ def test_sdk_works_from_a_fresh_venv_without_torch(channel, tmp_path):
         prefix=PREFIX,
     )
     assert out.stdout.strip() == str(want)
+    # the CLI, from the same venv
+    cli = [tmp_path / "v" / "bin" / "pdserve-client"]
+    run = {"check": True, "capture_output": True, "text": True, "cwd": tmp_path}
+    assert subprocess.run([*cli, "health", "--target", TARGET], **run).stdout == "SERVING\n"
+    assert subprocess.run([*cli, "models", "--target", TARGET], **run).stdout == f"{MODEL}\n"
+    gen = [*cli, "generate", "--prompt", "Water boils at", "--max-tokens", "8", "--ignore-eos"]
+    out = subprocess.run([*gen, "--json", "--target", TARGET], **run)
+    assert json.loads(out.stdout)["token_ids"] == want
