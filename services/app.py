@@ -7,6 +7,7 @@ for ``serve run`` / ``serve deploy`` config files (see deploy/serve_config.yaml)
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import Any
 
 from ray import serve
@@ -33,6 +34,28 @@ def _actor_options(pool: PoolConfig) -> dict[str, Any]:
     }
 
 
+def _replicas(pool: PoolConfig, metric: str) -> dict[str, Any]:
+    """``num_replicas``, or an SLO autoscaling config (services.autoscale.policy)."""
+    a = pool.autoscaling
+    if a is None:
+        return {"num_replicas": pool.replicas}
+    return {
+        "autoscaling_config": {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "initial_replicas": min(a.max_replicas, max(a.min_replicas, pool.replicas)),
+            "metrics_interval_s": a.metrics_interval_s,
+            "look_back_period_s": a.look_back_s,
+            # NOTE: the worst report in the look-back window: scale-downs wait for it to pass
+            "aggregation_function": "max",
+            "policy": {
+                "policy_function": "services.autoscale.policy:SloPolicy",
+                "policy_kwargs": asdict(a.target(metric)),
+            },
+        }
+    }
+
+
 class _GatewayIngress(Gateway):
     def __serve_build_asgi_app__(self):  # type: ignore[no-untyped-def]
         return build_http_app(self)
@@ -53,7 +76,7 @@ def build_app(cfg: ServeConfig):  # -> serve Application
     decode = serve.deployment(
         DecodeServer,
         name="decode",
-        num_replicas=cfg.decode.replicas,
+        **_replicas(cfg.decode, "itl"),
         ray_actor_options=_actor_options(cfg.decode),
         max_ongoing_requests=cfg.decode.max_num_seqs,
         max_queued_requests=cfg.decode.max_queued_requests,
@@ -65,7 +88,7 @@ def build_app(cfg: ServeConfig):  # -> serve Application
         prefill = serve.deployment(
             PrefillServer,
             name="prefill",
-            num_replicas=cfg.prefill.replicas,
+            **_replicas(cfg.prefill, "ttft"),
             ray_actor_options=_actor_options(cfg.prefill),
             max_ongoing_requests=cfg.prefill.max_num_seqs,
             max_queued_requests=cfg.prefill.max_queued_requests,

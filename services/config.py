@@ -15,7 +15,55 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from services.autoscale.planner import PoolTarget
 from services.engine.config import EngineConfig
+
+
+class PoolAutoscaling(BaseModel):
+    """SLO autoscaling of one pool (see ``services.autoscale.planner`` for the rule): the
+    prefill pool is sized by TTFT, the decode pool (or the colocated one) by ITL."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target_s: float = Field(
+        gt=0, description="latency target, seconds: TTFT (prefill pool) or ITL (decode pool)"
+    )
+    percentile: float = Field(0.9, gt=0, lt=1, description="the percentile held to the target")
+    min_replicas: int = Field(1, ge=1, le=256)
+    max_replicas: int = Field(4, ge=1, le=256)
+    up_ratio: float = Field(1.0, gt=0, description="scale up above target x this")
+    down_ratio: float = Field(0.6, gt=0, description="scale down only below target x this")
+    max_step: int = Field(1, ge=1, description="most replicas added or removed per decision")
+    up_cooldown_s: float = Field(30.0, ge=0, description="after a scale-up, wait before another")
+    down_cooldown_s: float = Field(120.0, ge=0, description="after any change, wait to scale down")
+    up_delay_s: float = Field(5.0, ge=0, description="a miss must last this long to scale up")
+    down_delay_s: float = Field(60.0, ge=0, description="room must last this long to scale down")
+    idle_s: float = Field(60.0, ge=0, description="no traffic this long: shrink toward the min")
+    queued_tokens_per_replica: float = Field(
+        0.0,
+        ge=0,
+        description="prefill: queued prompt tokens per replica that count as a miss; 0 = off",
+    )
+    kv_usage_high: float = Field(
+        0.9, ge=0, le=1, description="decode: KV usage that counts as a miss; 0 = off"
+    )
+    max_busy: float = Field(
+        0.7, gt=0, le=1, description="a scale-down may not push compute utilisation above this"
+    )
+    window_s: float = Field(30.0, gt=0, description="replicas' latency window")
+    metrics_interval_s: float = Field(1.0, gt=0, description="how often replicas report")
+    look_back_s: float = Field(5.0, gt=0, description="the controller's window over reports")
+
+    @model_validator(mode="after")
+    def _planner_accepts(self) -> PoolAutoscaling:
+        self.target("ttft")  # PoolTarget checks bounds and the hysteresis band
+        return self
+
+    def target(self, metric: Literal["ttft", "itl"]) -> PoolTarget:
+        return PoolTarget(
+            metric=metric,
+            **self.model_dump(exclude={"window_s", "metrics_interval_s", "look_back_s"}),
+        )
 
 
 class PoolConfig(BaseModel):
@@ -35,6 +83,9 @@ class PoolConfig(BaseModel):
         ge=-1,
         description="requests that may wait for this pool's replicas beyond max_num_seqs each; "
         "more are refused as overload (HTTP 429 / RESOURCE_EXHAUSTED); -1 = unbounded",
+    )
+    autoscaling: PoolAutoscaling | None = Field(
+        None, description="SLO autoscaling of this pool; None = a fixed ``replicas`` count"
     )
 
 

@@ -42,6 +42,7 @@ class TokenChunk:
     finish_reason: str | None
     num_cached_tokens: int = 0
     kv_transfer_s: float = 0.0  # on the first chunk after a KV pull
+    kv_transfer_bytes: int = 0  # likewise
 
 
 def prefill_on_decode(

@@ -17,6 +17,7 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine, EngineStats
 from services.prefix_index import PrefixIndex
 from services.prefix_index.publisher import IndexPublisher, unique_replica_id
+from services.replica_metrics import ReplicaMetrics
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,10 @@ class EngineReplica:
         from services.router import index_id
 
         self.cfg = cfg
+        a = pool.autoscaling
+        self.metrics = (
+            ReplicaMetrics(a.window_s, a.percentile) if a is not None else ReplicaMetrics(30.0)
+        )
         engine = Engine.from_path(cfg.model, cfg.engine_config(pool, role))
         self.engine = AsyncEngine(engine, stall_timeout_s=cfg.request_timeout_s)
         rid = serve_replica_id()
@@ -108,11 +113,17 @@ class EngineReplica:
         """Polled by Ray Serve for the request router (``services.router``); never waits for
         the engine lock (the snapshot is at most one step old)."""
         s = self.engine.last_stats
+        self.metrics.set_gauges(s)
         return {
             "num_running": s.num_running + s.num_waiting,
             "blocks_free": s.blocks_free,
             "blocks_total": s.blocks_total,
         }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Polled by Ray Serve for the SLO autoscaling policy (``services.autoscale.policy``)
+        when the pool autoscales; never waits for the engine lock."""
+        return self.metrics.autoscaling_stats(self.engine.last_stats)
 
     def reset_prefix_cache(self) -> int:
         """Evict every unreferenced cached block (operators, tests); the index follows."""

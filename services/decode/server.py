@@ -78,16 +78,31 @@ class DecodeServer(EngineReplica):
     ) -> AsyncIterator[TokenChunk]:
         """``route`` is read by the request router in the caller's process, not here."""
         handle = None
-        transfer_s = 0.0
+        transfer_s, transfer_bytes = 0.0, 0
+        start = time.perf_counter()
         if prefill is not None:
-            t = time.perf_counter()
             handle = await self._pull(spec, prefill)
-            transfer_s = time.perf_counter() - t
+            transfer_s = time.perf_counter() - start
+            transfer_bytes = handle.nbytes
+            self.metrics.observe_transfer(transfer_s, transfer_bytes)
+        last: float | None = None
         async for out in self.engine.generate(
             spec.request_id, spec.prompt_ids, spec.params, kv_handle=handle
         ):
             if not out.new_token_ids and not out.finished:
                 continue
+            now = time.perf_counter()
+            if out.new_token_ids:
+                # NOTE: only gaps between this replica's own steps are ITL; the first token
+                # after a KV pull waited for the transfer, and a prefill here is TTFT
+                if last is not None:
+                    self.metrics.observe_gap(now - last)
+                elif prefill is None:
+                    q, p = out.queue_s or 0.0, out.prefill_s or 0.0
+                    self.metrics.observe_first_token(out.ttft_s or q + p, q, p)
+                last = now
+            if out.finished:
+                self.metrics.observe_finish(now - start)
             yield TokenChunk(
                 token_ids=tuple(out.new_token_ids),
                 text=out.new_text,
@@ -95,8 +110,9 @@ class DecodeServer(EngineReplica):
                 finish_reason=str(out.finish_reason) if out.finished else None,
                 num_cached_tokens=out.num_cached_tokens,
                 kv_transfer_s=transfer_s,
+                kv_transfer_bytes=transfer_bytes,
             )
-            transfer_s = 0.0
+            transfer_s, transfer_bytes = 0.0, 0
 
     def set_fail_next_pulls(self, n: int) -> None:
         self.fail_next_pulls = n

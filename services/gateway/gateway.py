@@ -60,6 +60,7 @@ class Timing:
     queue_s: float = 0.0
     prefill_s: float = 0.0
     kv_transfer_s: float = 0.0
+    kv_transfer_bytes: int = 0
     ttft_s: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prefilled: bool = False
@@ -107,6 +108,12 @@ class Metrics:
         )
         self.transfer = Histogram(
             "pdserve_kv_transfer_seconds", "KV transfer time", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.transfer_bytes = Histogram(
+            "pdserve_kv_transfer_bytes",
+            "KV bytes moved per request",
+            buckets=[float(2**k) for k in range(16, 34, 2)],
+            registry=r,
         )
         self.requests = Counter("pdserve_requests", "finished requests", ["status"], registry=r)
         self.reprefills = Counter(
@@ -162,6 +169,8 @@ class Metrics:
         self.queue.observe(t.queue_s)
         self.prefill.observe(t.prefill_s)
         self.transfer.observe(t.kv_transfer_s)
+        if t.kv_transfer_bytes:
+            self.transfer_bytes.observe(t.kv_transfer_bytes)
         self.e2e.observe((t.last or time.perf_counter()) - t.start)
 
 
@@ -262,6 +271,7 @@ class Gateway:
                         self._observe_prefix(n, chunk.num_cached_tokens, timing)
                     first = False
                     timing.kv_transfer_s += chunk.kv_transfer_s
+                    timing.kv_transfer_bytes += chunk.kv_transfer_bytes
                     if chunk.token_ids:
                         timing.token()
                     yield chunk

@@ -37,6 +37,8 @@ class PrefillServer(EngineReplica):
         ):
             out = o
         assert out is not None and out.finished
+        queue_s, prefill_s = out.queue_s or 0.0, out.prefill_s or 0.0
+        self.metrics.observe_first_token(out.ttft_s or queue_s + prefill_s, queue_s, prefill_s)
         held = out.finish_reason is FinishReason.PREFILLED
         return PrefillResult(
             request_id=spec.request_id,
@@ -45,8 +47,8 @@ class PrefillServer(EngineReplica):
             first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
             finish_reason=None if held else str(out.finish_reason),
             kv_address=self.kv_server.address if held else None,
-            queue_s=out.queue_s or 0.0,
-            prefill_s=out.prefill_s or 0.0,
+            queue_s=queue_s,
+            prefill_s=prefill_s,
             num_cached_tokens=out.num_cached_tokens,
         )
 

@@ -1,0 +1,112 @@
+"""A replica's metrics: Prometheus series through Ray's own metrics export (every node's
+metrics agent serves them, tagged with deployment and replica), and the sliding latency
+windows the SLO autoscaler reads (``record_autoscaling_stats``).
+
+Outside a Ray Serve replica (unit tests, one process) the Ray series are skipped and the
+windows still work.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from services.autoscale.window import LatencyWindow
+from services.engine.engine import EngineStats
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+BYTES_BUCKETS = [float(2**k) for k in range(16, 34, 2)]  # 64 KiB .. 8 GiB
+
+
+class _RaySeries:
+    def __init__(self) -> None:
+        from ray.serve import metrics as m
+
+        def hist(name: str, doc: str, buckets: list[float] = LATENCY_BUCKETS) -> Any:
+            return m.Histogram(f"pdserve_replica_{name}", doc, boundaries=buckets)
+
+        self.ttft = hist("ttft_seconds", "arrival at the replica to first token (prefill)")
+        self.itl = hist("itl_seconds", "gaps between a request's tokens (decode)")
+        self.e2e = hist("e2e_seconds", "arrival at the replica to last token")
+        self.queue = hist("queue_seconds", "waiting for the first prefill step")
+        self.prefill = hist("prefill_seconds", "prompt compute time")
+        self.transfer = hist("kv_transfer_seconds", "KV pull time (decode)")
+        self.transfer_bytes = hist("kv_transfer_bytes", "KV bytes pulled (decode)", BYTES_BUCKETS)
+        self.gauges = {
+            name: m.Gauge(f"pdserve_replica_{name}", doc)
+            for name, doc in (
+                ("running_requests", "requests in the running batch"),
+                ("waiting_requests", "requests waiting for a slot"),
+                ("kv_blocks_used", "KV blocks referenced by requests"),
+                ("kv_blocks_free", "KV blocks free or evictable"),
+                ("prefill_tokens_queued", "prompt tokens admitted, not computed yet"),
+            )
+        }
+        self.prompt_tokens = m.Gauge("pdserve_replica_prompt_tokens_computed", "prefill work done")
+        self.hit_tokens = m.Gauge("pdserve_replica_prefix_hit_tokens", "prompt tokens reused")
+
+
+class ReplicaMetrics:
+    """Args: window_s: the autoscaler's window; percentile: the one it reads."""
+
+    def __init__(self, window_s: float, percentile: float = 0.9) -> None:
+        self.percentile = percentile
+        self.ttft = LatencyWindow(window_s)
+        self.itl = LatencyWindow(window_s)
+        self._ray: _RaySeries | None = None
+        try:
+            from ray import serve
+
+            serve.get_replica_context()
+            self._ray = _RaySeries()
+        except Exception:  # not in a Serve replica
+            self._ray = None
+
+    def observe_first_token(self, ttft_s: float, queue_s: float, prefill_s: float) -> None:
+        self.ttft.add(ttft_s)
+        if self._ray is not None:
+            self._ray.ttft.observe(ttft_s)
+            self._ray.queue.observe(queue_s)
+            self._ray.prefill.observe(prefill_s)
+
+    def observe_gap(self, itl_s: float) -> None:
+        self.itl.add(itl_s)
+        if self._ray is not None:
+            self._ray.itl.observe(itl_s)
+
+    def observe_finish(self, e2e_s: float) -> None:
+        if self._ray is not None:
+            self._ray.e2e.observe(e2e_s)
+
+    def observe_transfer(self, seconds: float, nbytes: int) -> None:
+        if self._ray is not None:
+            self._ray.transfer.observe(seconds)
+            self._ray.transfer_bytes.observe(float(nbytes))
+
+    def autoscaling_stats(self, s: EngineStats) -> dict[str, float]:
+        """What Ray Serve's controller receives for the SLO policy (services.autoscale.policy):
+        TTFT and ITL percentiles over the window (0, with a count of 0, when empty; a pool's
+        policy reads the one its target names) and the load signals."""
+        out: dict[str, float] = {}
+        for name, window in (("ttft", self.ttft), ("itl", self.itl)):
+            p, n = window.snapshot(self.percentile)
+            out[f"{name}_p"], out[f"{name}_n"] = p or 0.0, float(n)
+        return out | {
+            "queued_tokens": float(s.prefill_tokens_queued),
+            "requests": float(s.num_running + s.num_waiting),
+            "kv_usage": s.blocks_used / max(1, s.blocks_total),
+        }
+
+    def set_gauges(self, s: EngineStats) -> None:
+        if self._ray is None:
+            return
+        g = self._ray.gauges
+        g["running_requests"].set(s.num_running)
+        g["waiting_requests"].set(s.num_waiting)
+        g["kv_blocks_used"].set(s.blocks_used)
+        g["kv_blocks_free"].set(s.blocks_free)
+        g["prefill_tokens_queued"].set(s.prefill_tokens_queued)
+        self._ray.prompt_tokens.set(s.prompt_tokens_computed)
+        self._ray.hit_tokens.set(s.prefix_hit_tokens)
