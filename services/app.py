@@ -48,6 +48,10 @@ def _replicas(pool: PoolConfig, metric: str) -> dict[str, Any]:
             "look_back_period_s": a.look_back_s,
             # NOTE: the worst report in the look-back window: scale-downs wait for it to pass
             "aggregation_function": "max",
+            # NOTE: Ray wraps custom policies in its own delays (30 s up, 600 s down by
+            # default); the planner owns delays and cool-downs, so Ray's are off
+            "upscale_delay_s": 0.0,
+            "downscale_delay_s": 0.0,
             "policy": {
                 "policy_function": "services.autoscale.policy:SloPolicy",
                 "policy_kwargs": asdict(a.target(metric)),

@@ -51,6 +51,7 @@ class PoolAutoscaling(BaseModel):
         0.7, gt=0, le=1, description="a scale-down may not push compute utilisation above this"
     )
     window_s: float = Field(30.0, gt=0, description="replicas' latency window")
+    busy_window_s: float = Field(60.0, gt=0, description="replicas' utilisation window")
     metrics_interval_s: float = Field(1.0, gt=0, description="how often replicas report")
     look_back_s: float = Field(5.0, gt=0, description="the controller's window over reports")
 
@@ -62,7 +63,9 @@ class PoolAutoscaling(BaseModel):
     def target(self, metric: Literal["ttft", "itl"]) -> PoolTarget:
         return PoolTarget(
             metric=metric,
-            **self.model_dump(exclude={"window_s", "metrics_interval_s", "look_back_s"}),
+            **self.model_dump(
+                exclude={"window_s", "busy_window_s", "metrics_interval_s", "look_back_s"}
+            ),
         )
 
 

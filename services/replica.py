@@ -84,7 +84,9 @@ class EngineReplica:
         self.cfg = cfg
         a = pool.autoscaling
         self.metrics = (
-            ReplicaMetrics(a.window_s, a.percentile) if a is not None else ReplicaMetrics(30.0)
+            ReplicaMetrics(a.window_s, a.percentile, a.busy_window_s)
+            if a is not None
+            else ReplicaMetrics(30.0)
         )
         engine = Engine.from_path(cfg.model, cfg.engine_config(pool, role))
         self.engine = AsyncEngine(engine, stall_timeout_s=cfg.request_timeout_s)
@@ -123,7 +125,7 @@ class EngineReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Polled by Ray Serve for the SLO autoscaling policy (``services.autoscale.policy``)
         when the pool autoscales; never waits for the engine lock."""
-        return self.metrics.autoscaling_stats(self.engine.last_stats)
+        return self.metrics.autoscaling_stats(self.engine.last_stats, self.engine.busy_s)
 
     def reset_prefix_cache(self) -> int:
         """Evict every unreferenced cached block (operators, tests); the index follows."""

@@ -9,6 +9,8 @@ windows still work.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from typing import Any
 
 from services.autoscale.window import LatencyWindow
@@ -51,8 +53,12 @@ class _RaySeries:
 class ReplicaMetrics:
     """Args: window_s: the autoscaler's window; percentile: the one it reads."""
 
-    def __init__(self, window_s: float, percentile: float = 0.9) -> None:
+    def __init__(
+        self, window_s: float, percentile: float = 0.9, busy_window_s: float = 60.0
+    ) -> None:
         self.percentile = percentile
+        self.busy_window_s = busy_window_s
+        self._busy: deque[tuple[float, float]] = deque()  # (monotonic time, engine busy_s)
         self.ttft = LatencyWindow(window_s)
         self.itl = LatencyWindow(window_s)
         self._ray: _RaySeries | None = None
@@ -85,11 +91,22 @@ class ReplicaMetrics:
             self._ray.transfer.observe(seconds)
             self._ray.transfer_bytes.observe(float(nbytes))
 
-    def autoscaling_stats(self, s: EngineStats) -> dict[str, float]:
+    def busy(self, busy_s: float, now: float | None = None) -> float:
+        """Fraction of the last ``busy_window_s`` the engine spent computing, from its
+        cumulative busy time (sampled on every call)."""
+        now = time.monotonic() if now is None else now
+        b = self._busy
+        b.append((now, busy_s))
+        while len(b) > 2 and b[1][0] <= now - self.busy_window_s:
+            b.popleft()
+        (t0, b0), (t1, b1) = b[0], b[-1]
+        return min(1.0, (b1 - b0) / (t1 - t0)) if t1 > t0 else 0.0
+
+    def autoscaling_stats(self, s: EngineStats, busy_s: float) -> dict[str, float]:
         """What Ray Serve's controller receives for the SLO policy (services.autoscale.policy):
         TTFT and ITL percentiles over the window (0, with a count of 0, when empty; a pool's
-        policy reads the one its target names) and the load signals."""
-        out: dict[str, float] = {}
+        policy reads the one its target names), compute utilisation and the load signals."""
+        out: dict[str, float] = {"busy": self.busy(busy_s)}
         for name, window in (("ttft", self.ttft), ("itl", self.itl)):
             p, n = window.snapshot(self.percentile)
             out[f"{name}_p"], out[f"{name}_n"] = p or 0.0, float(n)

@@ -3,7 +3,7 @@
 Ray Serve's controller instantiates ``SloPolicy(**policy_kwargs)`` once per deployment and
 calls it every control-loop tick with an ``AutoscalingContext``. Replicas report
 ``ttft_p``/``ttft_n``/``itl_p``/``itl_n`` (latency percentile of their recent window and its
-sample count) and ``queued_tokens``/``requests``/``kv_usage`` through
+sample count), ``busy`` (compute utilisation) and ``queued_tokens``/``requests``/``kv_usage`` through
 ``record_autoscaling_stats`` (see ``services.replica_metrics``); the controller aggregates each
 over ``look_back_period_s``. Planner state (last change, last busy time) lives in the policy
 state Ray keeps between calls.
@@ -27,10 +27,12 @@ def pool_signals(
     metric: str, metrics: dict[str, dict[Any, float]], now: float, running: int, target: int
 ) -> Signals:
     """Replica reports -> one pool's signals: the sample-weighted latency percentile across
-    replicas (a replica with no samples carries no weight), summed queues, the busiest KV."""
+    replicas (a replica with no samples carries no weight), summed queues, the busiest KV,
+    the mean utilisation."""
     p, n = metrics.get(f"{metric}_p", {}), metrics.get(f"{metric}_n", {})
     weight = sum(w for w in n.values() if w > 0)
     latency = sum(p.get(r, 0.0) * w for r, w in n.items() if w > 0) / weight if weight > 0 else None
+    busy = list(metrics.get("busy", {}).values())
     return Signals(
         now=now,
         running_replicas=running,
@@ -39,6 +41,7 @@ def pool_signals(
         queued_tokens=sum(metrics.get("queued_tokens", {}).values()),
         kv_usage=max(metrics.get("kv_usage", {}).values(), default=0.0),
         requests=sum(metrics.get("requests", {}).values()),
+        busy=sum(busy) / len(busy) if busy else None,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 
 from services.engine.engine import Engine, EngineStats
@@ -41,6 +42,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[object]]] = {}
         self._stopped = False
         self.last_stats: EngineStats = engine.stats()
+        self.busy_s = 0.0  # seconds spent in steps that had work (utilisation, autoscaling)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -111,7 +113,9 @@ class AsyncEngine:
                 if self._stopped:
                     break
                 try:
+                    t = time.perf_counter()
                     outputs = self.engine.step()
+                    self.busy_s += time.perf_counter() - t
                 except Exception as e:  # a bug: fail every open stream loudly, keep serving
                     log.exception("engine step failed")
                     self._fail_all(e)

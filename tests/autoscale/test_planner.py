@@ -183,3 +183,30 @@ def test_the_ray_policy_weights_replicas_by_samples_and_keeps_state():
     # the miss had to last up_delay_s (state carried over), then credit for the pending one
     assert replicas == [2, 2, 2, 3, 3]
     assert state["reason"] and "planner" in state
+
+
+def test_replica_reports_windowed_percentiles_and_utilisation():
+    import dataclasses
+
+    from services.autoscale.window import LatencyWindow
+    from services.engine.engine import EngineStats
+    from services.replica_metrics import ReplicaMetrics
+
+    w = LatencyWindow(10.0)
+    for i in range(10):
+        w.add(float(i), now=100.0 + i)
+    assert w.snapshot(0.9, now=109.0) == (8.0, 10)
+    assert w.snapshot(0.5, now=115.0) == (7.0, 5)  # samples older than 10 s are gone
+    assert w.snapshot(0.9, now=200.0) == (None, 0)
+
+    m = ReplicaMetrics(window_s=30.0, busy_window_s=10.0)
+    assert m.busy(0.0, now=0.0) == 0.0
+    assert m.busy(2.5, now=5.0) == pytest.approx(0.5)
+    assert m.busy(2.5, now=25.0) == pytest.approx(0.0)  # idle for the whole last window
+    fields = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+    stats = EngineStats(**{**fields, "blocks_total": 100, "blocks_used": 25, "num_running": 3})
+    m.observe_gap(0.05)
+    out = m.autoscaling_stats(stats, busy_s=2.5)
+    assert out["itl_n"] == 1 and out["itl_p"] == 0.05 and out["ttft_n"] == 0
+    assert out["kv_usage"] == 0.25 and out["requests"] == 3
+    assert all(isinstance(v, float) for v in out.values())  # what Ray Serve accepts

@@ -8,9 +8,12 @@ import json
 import httpx
 import pytest
 
+from tests.fixtures import free_port
+
 PORT = 18431
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "SmolLM2-135M-Instruct"
+RAY_METRICS_PORT = free_port()  # Ray's own metrics export (replicas' Prometheus series)
 
 
 @pytest.fixture(scope="package")
@@ -24,6 +27,7 @@ def ray_serve():
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+        _metrics_export_port=RAY_METRICS_PORT,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     yield serve
