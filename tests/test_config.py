@@ -96,6 +96,26 @@ def test_serve_config_file_builds_the_app():
     assert type(app).__name__ == "Application"
 
 
+def test_pool_autoscaling_becomes_a_ray_serve_custom_policy():
+    from ray.serve.config import AutoscalingConfig
+
+    from services.app import _replicas
+    from services.autoscale.policy import SloPolicy
+
+    cfg = load_config(
+        overrides={"prefill": {"replicas": 5, "autoscaling": {"target_s": 0.8, "max_replicas": 3}}},
+        environ={},
+    )
+    assert _replicas(cfg.decode, "itl") == {"num_replicas": 1}  # no block: a fixed count
+    kw = _replicas(cfg.prefill, "ttft")["autoscaling_config"]
+    ac = AutoscalingConfig(**kw)  # what Ray Serve accepts
+    assert (ac.min_replicas, ac.max_replicas, ac.initial_replicas) == (1, 3, 3)
+    assert ac.upscale_delay_s == 0 and ac.downscale_delay_s == 0  # the planner owns delays
+    assert kw["policy"]["policy_function"] == "services.autoscale.policy:SloPolicy"
+    policy = SloPolicy(**kw["policy"]["policy_kwargs"])  # the controller builds it so
+    assert policy.target.metric == "ttft" and policy.target.target_s == 0.8
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [
