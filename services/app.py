@@ -98,10 +98,13 @@ def build_app(cfg: ServeConfig):  # -> serve Application
             max_queued_requests=cfg.prefill.max_queued_requests,
             request_router_config=router,
         ).bind(cfg, index)
+    gateway_options: dict[str, Any] = {"num_cpus": 0}
+    if cfg.gateway_resource:
+        gateway_options["resources"] = {cfg.gateway_resource: 1}
     gateway = serve.deployment(
         serve.ingress()(_GatewayIngress),
         name="gateway",
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=gateway_options,
         # NOTE: the gateway's own admission (max_inflight_requests) refuses overload with a
         # retry hint; Ray's limit sits above it so /health and /metrics still get through
         max_ongoing_requests=cfg.max_inflight_requests + 64,
@@ -112,6 +115,12 @@ def build_app(cfg: ServeConfig):  # -> serve Application
 def app_from_env(args: dict[str, Any]):  # -> serve Application
     """Entry point for Ray Serve config files: ``args`` may name ``config`` (a YAML path) and
     any ServeConfig field."""
+    return build_app(config_from_args(args))
+
+
+def config_from_args(args: dict[str, Any] | None) -> ServeConfig:
+    """The ``args`` of a Serve config file (deploy/serve_config.yaml, the Helm chart's
+    RayService) -> the validated configuration, as ``app_from_env`` reads them."""
     args = dict(args or {})
     path = args.pop("config", None) or os.environ.get("PDSERVE_CONFIG")
-    return build_app(load_config(path, args))
+    return load_config(path, args)

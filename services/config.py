@@ -134,6 +134,18 @@ class ServeConfig(BaseModel):
         1.0, gt=0, description="retry hint sent with an overload refusal (Retry-After)"
     )
     kv_transport: str = Field("grpc", description="KV transport (see kvtransfer.transport)")
+    kv_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="port of each prefill replica's KV server (fixed, so a NetworkPolicy can "
+        "name it); 0 = any free port (needed for several prefill replicas on one node)",
+    )
+    gateway_resource: str | None = Field(
+        None,
+        description="Ray custom resource the gateway replica needs (Kubernetes: only the head "
+        "advertises it, so the gRPC port is on the head pod); None = any node",
+    )
     kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one KV pull")
     kv_hold_timeout_s: float = Field(
         60.0, gt=0, description="prefill keeps unclaimed KV this long, then frees it"

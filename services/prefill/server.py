@@ -26,7 +26,7 @@ class PrefillServer(EngineReplica):
     def __init__(self, cfg: ServeConfig, index_handle: Any = None) -> None:
         super().__init__(cfg, cfg.prefill, "prefill", open_index(cfg, index_handle))
         self.kv_server = get_transport(cfg.kv_transport).serve(
-            EngineKVSource(self.engine.engine, self.engine.lock), node_ip(), 0
+            EngineKVSource(self.engine.engine, self.engine.lock), node_ip(), cfg.kv_port
         )
 
     async def prefill(self, spec: GenerateSpec, route: RouteHint | None = None) -> PrefillResult:
