@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 
-from kvtransfer import wire
+from kvtransfer import shm, wire
 from kvtransfer.transport import KVSource
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from proto.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -34,10 +35,18 @@ MessageHook = Callable[[pb.PullKVResponse], pb.PullKVResponse]
 
 
 class _Servicer(pb_grpc.KVTransferServicer):
-    def __init__(self, source: KVSource, chunk_bytes: int, hook: MessageHook | None) -> None:
+    def __init__(
+        self,
+        source: KVSource,
+        chunk_bytes: int,
+        hook: MessageHook | None,
+        segments: shm.Segments | None,
+    ) -> None:
         self.source = source
         self.chunk_bytes = chunk_bytes
         self.hook = hook
+        self.segments = segments  # set: same-host receivers get shared memory
+        self.host_id = shm.host_id() if segments is not None else ""
 
     def PullKV(
         self, request: pb.PullKVRequest, context: grpc.ServicerContext
@@ -52,6 +61,14 @@ class _Servicer(pb_grpc.KVTransferServicer):
         except LayoutMismatchError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         chunk = min(request.max_chunk_bytes or self.chunk_bytes, self.chunk_bytes)
+        if self.segments is not None and self.host_id and request.host_id == self.host_id:
+            data = wire.payload(handle).cpu()
+            header = wire.header_for(handle, data, chunk)
+            header.shm_name = shm.write_segment(data)
+            self.segments.add(request.request_id, header.shm_name)
+            msg = pb.PullKVResponse(header=header)
+            yield self.hook(msg) if self.hook is not None else msg
+            return
         for msg in wire.encode(handle, chunk):
             yield self.hook(msg) if self.hook is not None else msg
 
@@ -59,6 +76,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
         self, request: pb.ReleaseKVRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseKVResponse:
         self.source.release(request.request_id)
+        if self.segments is not None:
+            self.segments.release(request.request_id)
         return pb.ReleaseKVResponse()
 
 
@@ -66,6 +85,8 @@ class GrpcKVServer:
     """A ``KVTransfer`` server on ``host:port`` (port 0 picks a free one).
 
     Args:
+        shared_memory: hand payloads to receivers on the same host through /dev/shm
+            (transport ``shm``); segments left unclaimed are unlinked after ``lease_s``.
         message_hook: test hook applied to every outgoing message (fault injection).
     """
 
@@ -77,13 +98,16 @@ class GrpcKVServer:
         *,
         chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
         max_workers: int = 4,
+        shared_memory: bool = False,
+        lease_s: float = 60.0,
         message_hook: MessageHook | None = None,
     ) -> None:
+        self.segments = shm.Segments(lease_s) if shared_memory else None
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS
         )
         pb_grpc.add_KVTransferServicer_to_server(
-            _Servicer(source, chunk_bytes, message_hook), self._server
+            _Servicer(source, chunk_bytes, message_hook, self.segments), self._server
         )
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
@@ -97,13 +121,20 @@ class GrpcKVServer:
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._server.stop(grace_s).wait(grace_s + 1.0)
+        if self.segments is not None:
+            self.segments.close()
 
 
 class GrpcKVClient:
-    """Pulls KV blocks from ``GrpcKVServer``s; keeps one channel per address."""
+    """Pulls KV blocks from ``GrpcKVServer``s; keeps one channel per address.
 
-    def __init__(self) -> None:
+    Args:
+        shared_memory: offer same-host handover (the server uses it when it shares /dev/shm).
+    """
+
+    def __init__(self, shared_memory: bool = False) -> None:
         self._channels: dict[str, grpc.Channel] = {}
+        self.host_id = shm.host_id() if shared_memory else ""
 
     def _stub(self, address: str) -> pb_grpc.KVTransferStub:
         ch = self._channels.get(address)
@@ -114,7 +145,9 @@ class GrpcKVClient:
     def pull(
         self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
     ) -> KVHandle:
-        req = pb.PullKVRequest(request_id=request_id, layout=wire.layout_to_proto(layout))
+        req = pb.PullKVRequest(
+            request_id=request_id, layout=wire.layout_to_proto(layout), host_id=self.host_id
+        )
         try:
             return wire.decode(self._stub(address).PullKV(req, timeout=timeout_s), layout)
         except grpc.RpcError as e:
@@ -146,10 +179,17 @@ def _map_error(e: grpc.RpcError, address: str) -> Exception:
 
 
 class GrpcTransport:
-    name = "grpc"
+    """``grpc``: streamed chunks. ``shm`` (``shared_memory=True``): the same, except that a
+    receiver sharing the sender's /dev/shm gets the payload through a shared segment."""
 
-    def serve(self, source: KVSource, host: str = "127.0.0.1", port: int = 0) -> GrpcKVServer:
-        return GrpcKVServer(source, host, port)
+    def __init__(self, shared_memory: bool = False) -> None:
+        self.shared_memory = shared_memory
+        self.name = "shm" if shared_memory else "grpc"
+
+    def serve(
+        self, source: KVSource, host: str = "127.0.0.1", port: int = 0, **options: Any
+    ) -> GrpcKVServer:
+        return GrpcKVServer(source, host, port, shared_memory=self.shared_memory, **options)
 
     def client(self) -> GrpcKVClient:
-        return GrpcKVClient()
+        return GrpcKVClient(shared_memory=self.shared_memory)

@@ -9,7 +9,7 @@ when it can place them, and the prefill side never buffers for a receiver that i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 
@@ -55,7 +55,7 @@ class KVClient(Protocol):
 class Transport(Protocol):
     name: str
 
-    def serve(self, source: KVSource, host: str, port: int) -> KVServer: ...
+    def serve(self, source: KVSource, host: str, port: int, **options: Any) -> KVServer: ...
 
     def client(self) -> KVClient: ...
 
@@ -66,7 +66,31 @@ def _load_grpc() -> Transport:
     return GrpcTransport()
 
 
-TRANSPORTS: dict[str, Callable[[], Transport]] = {"grpc": _load_grpc}
+def _load_shm() -> Transport:
+    from kvtransfer.grpc_transport import GrpcTransport
+
+    return GrpcTransport(shared_memory=True)
+
+
+def _load_gloo() -> Transport:
+    from kvtransfer.dist_transport import DistTransport
+
+    return DistTransport("gloo")
+
+
+def _load_nccl() -> Transport:
+    from kvtransfer.dist_transport import DistTransport
+
+    return DistTransport("nccl")
+
+
+# NOTE: lazy: a transport's dependencies load only when it is chosen
+TRANSPORTS: dict[str, Callable[[], Transport]] = {
+    "grpc": _load_grpc,
+    "shm": _load_shm,
+    "gloo": _load_gloo,
+    "nccl": _load_nccl,
+}
 
 
 def get_transport(name: str) -> Transport:

@@ -69,13 +69,58 @@ def encode(handle: KVHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator
         yield pb.PullKVResponse(chunk=pb.KVChunk(seq=seq, data=data, crc32=zlib.crc32(data)))
 
 
-def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -> KVHandle:
-    """Rebuild a handle; raises LayoutMismatchError or TransferError."""
-    it = iter(messages)
-    first = next(it, None)
-    if first is None or first.WhichOneof("msg") != "header":
-        raise TransferError("transfer did not start with a header")
-    h = first.header
+def payload(handle: KVHandle) -> torch.Tensor:
+    """The block tensor as contiguous 1-D bytes (on the handle's device)."""
+    return handle.blocks.contiguous().view(torch.uint8).reshape(-1)
+
+
+def chunk_ranges(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+    return [(a, min(total, a + chunk_bytes)) for a in range(0, max(total, 1), chunk_bytes)]
+
+
+def checksum(kind: str, chunk: torch.Tensor) -> int:
+    """``crc32`` of a CPU chunk, or ``sum64`` (the int32 words' 64-bit sum plus the length,
+    computed where the chunk lives: no copy off a GPU)."""
+    if kind == "crc32":
+        return zlib.crc32(memoryview(chunk.numpy()).cast("B"))
+    if kind == "sum64":
+        words = chunk[: chunk.numel() // 4 * 4].view(torch.int32)
+        tail = chunk[chunk.numel() // 4 * 4 :].to(torch.int64).sum()
+        total = words.sum(dtype=torch.int64) + tail + chunk.numel()
+        return int(total.item()) & 0xFFFF_FFFF_FFFF_FFFF
+    raise TransferError(f"unknown checksum {kind!r}")
+
+
+def header_for(
+    handle: KVHandle, data: torch.Tensor, chunk_bytes: int, kind: str | None = None
+) -> pb.KVHeader:
+    """The header of an out-of-band transfer: sizes and each chunk's checksum."""
+    kind = kind or ("crc32" if data.device.type == "cpu" else "sum64")
+    ranges = chunk_ranges(data.numel(), chunk_bytes)
+    header = pb.KVHeader(
+        request_id=handle.request_id,
+        token_ids=handle.token_ids,
+        num_computed=handle.num_computed,
+        layout=layout_to_proto(handle.fingerprint),
+        block_hashes=handle.block_hashes,
+        num_blocks=handle.num_blocks,
+        total_bytes=data.numel(),
+        num_chunks=len(ranges),
+        chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+        checksum=kind,
+        chunk_checksums=[checksum(kind, data[a:b]) for a, b in ranges],
+    )
+    if handle.first_logprob is not None:
+        header.first_logprob = handle.first_logprob
+    return header
+
+
+def check_header(
+    h: pb.KVHeader, expected: LayoutFingerprint
+) -> tuple[tuple[int, ...], torch.dtype]:
+    """The block tensor's shape and dtype the header describes; raises if it is not the
+    receiver's layout or its sizes do not add up."""
     layout = layout_from_proto(h.layout)
     check_layout(layout, expected)
     if layout.dtype not in DTYPES:
@@ -92,6 +137,53 @@ def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -
     want_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if h.total_bytes != want_bytes:
         raise TransferError(f"header says {h.total_bytes} bytes, layout needs {want_bytes}")
+    return shape, dtype
+
+
+def verify_chunk(h: pb.KVHeader, seq: int, chunk: torch.Tensor) -> None:
+    if checksum(h.checksum, chunk) != h.chunk_checksums[seq]:
+        raise TransferError(f"chunk {seq} failed its {h.checksum} check")
+
+
+def handle_from(h: pb.KVHeader, data: torch.Tensor, expected: LayoutFingerprint) -> KVHandle:
+    """A handle over received bytes ``data`` (1-D uint8) that were checked chunk by chunk."""
+    shape, dtype = check_header(h, expected)
+    if data.numel() != h.total_bytes:
+        raise TransferError(f"received {data.numel()} of {h.total_bytes} bytes")
+    return KVHandle(
+        request_id=h.request_id,
+        token_ids=tuple(h.token_ids),
+        num_computed=h.num_computed,
+        fingerprint=layout_from_proto(h.layout),
+        block_hashes=tuple(h.block_hashes),
+        blocks=data.view(dtype).reshape(shape),
+        first_logprob=h.first_logprob if h.HasField("first_logprob") else None,
+    )
+
+
+def from_segment(h: pb.KVHeader, expected: LayoutFingerprint) -> KVHandle:
+    from kvtransfer import shm
+
+    try:
+        data = shm.map_segment(h.shm_name, h.total_bytes)
+    except (OSError, ValueError) as e:
+        raise TransferError(f"shared-memory segment {h.shm_name!r}: {e}") from None
+    for seq, (a, b) in enumerate(chunk_ranges(h.total_bytes, h.chunk_bytes)):
+        verify_chunk(h, seq, data[a:b])
+    return handle_from(h, data, expected)
+
+
+def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -> KVHandle:
+    """Rebuild a handle; raises LayoutMismatchError or TransferError."""
+    it = iter(messages)
+    first = next(it, None)
+    if first is None or first.WhichOneof("msg") != "header":
+        raise TransferError("transfer did not start with a header")
+    h = first.header
+    check_header(h, expected)
+    if h.shm_name:  # same-host handover: the payload is in shared memory, not in chunks
+        return from_segment(h, expected)
+    want_bytes = h.total_bytes
     buf = bytearray(want_bytes)
     offset = 0
     for seq in range(h.num_chunks):
@@ -110,13 +202,4 @@ def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -
         offset = end
     if offset != want_bytes:
         raise TransferError(f"received {offset} of {want_bytes} bytes")
-    blocks = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
-    return KVHandle(
-        request_id=h.request_id,
-        token_ids=tuple(h.token_ids),
-        num_computed=h.num_computed,
-        fingerprint=layout,
-        block_hashes=tuple(h.block_hashes),
-        blocks=blocks,
-        first_logprob=h.first_logprob if h.HasField("first_logprob") else None,
-    )
+    return handle_from(h, torch.frombuffer(buf, dtype=torch.uint8), expected)

@@ -23,17 +23,19 @@ class KVLayout(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
-    __slots__ = ("request_id", "layout", "max_chunk_bytes")
+    __slots__ = ("request_id", "layout", "max_chunk_bytes", "host_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KVLayout
     max_chunk_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    host_id: str
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_computed", "layout", "block_hashes", "num_blocks", "total_bytes", "num_chunks", "first_logprob")
+    __slots__ = ("request_id", "token_ids", "num_computed", "layout", "block_hashes", "num_blocks", "total_bytes", "num_chunks", "first_logprob", "chunk_bytes", "chunk_checksums", "checksum", "shm_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +45,10 @@ class KVHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed: int
@@ -52,7 +58,11 @@ class KVHeader(_message.Message):
     total_bytes: int
     num_chunks: int
     first_logprob: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., first_logprob: _Optional[float] = ...) -> None: ...
+    chunk_bytes: int
+    chunk_checksums: _containers.RepeatedScalarFieldContainer[int]
+    checksum: str
+    shm_name: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., first_logprob: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum: _Optional[str] = ..., shm_name: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("seq", "data", "crc32")

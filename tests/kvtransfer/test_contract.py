@@ -1,0 +1,255 @@
+"""The contract every KV transport keeps (gloo stands in for NCCL on CPU): byte-exact round
+trips for several layouts and dtypes, a corrupted chunk detected, a killed sender failing the
+pull within its deadline with nothing left behind, a mismatched layout or unknown request
+refused cleanly, release freeing the sender's blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtransfer import shm
+from kvtransfer.transport import get_transport
+from kvtransfer.wire import TransferError
+from proto.pdserve.v1 import kv_transfer_pb2 as pb
+from services.engine.errors import LayoutMismatchError, UnknownRequestError
+from services.engine.kv_handle import KVHandle, LayoutFingerprint
+
+REPO = Path(__file__).resolve().parents[2]
+TRANSPORTS = ["grpc", "shm", "gloo"]
+
+
+class DictSource:
+    def __init__(self, handles: dict[str, KVHandle]) -> None:
+        self.handles = handles
+        self.released: list[str] = []
+
+    def get(self, request_id):  # type: ignore[no-untyped-def]
+        return self.handles.get(request_id)
+
+    def release(self, request_id):  # type: ignore[no-untyped-def]
+        self.released.append(request_id)
+        self.handles.pop(request_id, None)
+
+
+def random_handle(layers=3, kv_heads=2, head_dim=8, block_size=4, n_blocks=5, dtype="float32"):  # type: ignore[no-untyped-def]
+    fp = LayoutFingerprint("m", layers, kv_heads, head_dim, block_size, dtype)
+    g = torch.Generator().manual_seed(n_blocks * 7 + layers)
+    blocks = torch.randn(layers, 2, n_blocks, block_size, kv_heads, head_dim, generator=g)
+    n_tokens = n_blocks * block_size - 1
+    return KVHandle(
+        "r",
+        tuple(range(n_tokens + 1)),
+        n_tokens,
+        fp,
+        (b"h" * 16,) * (n_blocks - 1),
+        blocks.to(getattr(torch, dtype)),
+        -0.5,
+    )
+
+
+def _segments() -> set[str]:
+    return {p.name for p in shm.SHM_DIR.glob("pdserve-kv-*")}
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    t = get_transport(request.param)
+    client = t.client()
+    yield t, client
+    client.close()
+
+
+LAYOUTS = [
+    dict(),
+    dict(layers=30, kv_heads=3, head_dim=64, block_size=16, n_blocks=9),  # SmolLM2's layout
+    dict(dtype="bfloat16", n_blocks=33),
+    dict(dtype="float16", n_blocks=1, block_size=1),
+]
+
+
+def test_round_trips_are_byte_exact(transport):
+    t, client = transport
+    for i, layout in enumerate(LAYOUTS):
+        h = dataclasses.replace(random_handle(**layout), request_id=f"r{i}")
+        server = t.serve(DictSource({f"r{i}": h}), "127.0.0.1", 0, chunk_bytes=1000 + 4096 * i)
+        try:
+            got = client.pull(server.address, f"r{i}", h.fingerprint, timeout_s=20)
+        finally:
+            server.stop()
+        assert torch.equal(got.blocks.view(torch.uint8), h.blocks.contiguous().view(torch.uint8))
+        assert dataclasses.replace(got, blocks=h.blocks) == h
+    assert not _segments()  # shm: the receiver unlinked every segment it took
+
+
+def _corrupting(name: str):  # type: ignore[no-untyped-def]
+    """Server options that damage the payload in flight (chunk 1, or the shared segment)."""
+    if name == "gloo":
+
+        def chunk_hook(seq: int, chunk: torch.Tensor) -> torch.Tensor:
+            if seq != 1:
+                return chunk
+            bad = chunk.clone()
+            bad[7] ^= 0x40
+            return bad
+
+        return {"chunk_hook": chunk_hook}
+
+    def message_hook(msg: pb.PullKVResponse) -> pb.PullKVResponse:
+        if msg.WhichOneof("msg") == "chunk" and msg.chunk.seq == 1:
+            data = bytearray(msg.chunk.data)
+            data[7] ^= 0x40
+            msg.chunk.data = bytes(data)
+        elif msg.WhichOneof("msg") == "header" and msg.header.shm_name:
+            with open(shm.SHM_DIR / msg.header.shm_name, "r+b") as f:
+                f.seek(msg.header.chunk_bytes + 7)
+                b = f.read(1)
+                f.seek(msg.header.chunk_bytes + 7)
+                f.write(bytes([b[0] ^ 0x40]))
+        return msg
+
+    return {"message_hook": message_hook}
+
+
+def test_a_corrupted_chunk_is_detected(transport):
+    t, client = transport
+    h = random_handle(n_blocks=8)
+    server = t.serve(DictSource({"r": h}), "127.0.0.1", 0, chunk_bytes=512, **_corrupting(t.name))
+    try:
+        with pytest.raises(TransferError, match="chunk 1 failed"):
+            client.pull(server.address, "r", h.fingerprint, timeout_s=10)
+    finally:
+        server.stop()
+
+
+def test_mismatched_layout_and_unknown_requests_are_refused_and_release_frees(transport):
+    t, client = transport
+    h = random_handle()
+    source = DictSource({"r": h})
+    server = t.serve(source, "127.0.0.1", 0)
+    try:
+        with pytest.raises(LayoutMismatchError, match="block_size: 4 != 8"):
+            client.pull(server.address, "r", dataclasses.replace(h.fingerprint, block_size=8), 10)
+        with pytest.raises(UnknownRequestError):
+            client.pull(server.address, "nope", h.fingerprint, 10)
+        got = client.pull(server.address, "r", h.fingerprint, 10)  # the connection is still good
+        assert torch.equal(got.blocks, h.blocks)
+        client.release(server.address, "r", 5)
+        assert source.released == ["r"]
+        with pytest.raises(UnknownRequestError):
+            client.pull(server.address, "r", h.fingerprint, 10)
+    finally:
+        server.stop()
+    assert not _segments()
+
+
+def test_a_killed_sender_fails_the_pull_within_its_deadline(transport):
+    t, client = transport
+    before = _segments()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.kvtransfer.sender_proc", t.name, "400"],  # ~92 MB
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert address, "the sender did not start"
+        fp = random_handle(
+            layers=30, kv_heads=3, head_dim=64, block_size=16, n_blocks=400
+        ).fingerprint
+        import threading
+
+        threading.Timer(1.5, proc.kill).start()  # mid-transfer: it sends a chunk per 0.2 s
+        t0 = time.monotonic()
+        with pytest.raises((TransferError, TimeoutError)):
+            client.pull(address, "r", fp, timeout_s=20)
+        assert time.monotonic() - t0 < 20 + 2  # gave up by the deadline at the latest
+    finally:
+        proc.kill()
+        proc.wait()
+    # nothing kept for the dead peer; and the client still works against a live sender,
+    # which first sweeps any segment the dead one wrote but never handed over
+    assert getattr(client, "num_pairs", 0) == 0
+    h = random_handle()
+    server = t.serve(DictSource({"r": h}), "127.0.0.1", 0)
+    assert _segments() <= before
+    try:
+        assert torch.equal(client.pull(server.address, "r", h.fingerprint, 10).blocks, h.blocks)
+    finally:
+        server.stop()
+
+
+def test_dist_pairs_are_lazy_reused_bounded_and_evicted_when_idle():
+    from kvtransfer.dist_transport import DistKVClient
+
+    t = get_transport("gloo")
+    h = random_handle()
+    servers = [t.serve(DictSource({"r": h}), "127.0.0.1", 0) for _ in range(2)]
+    client = DistKVClient("gloo", max_pairs=1, idle_s=0.5)
+    try:
+        assert client.num_pairs == 0  # nothing until the first pull
+        for _ in range(3):
+            client.pull(servers[0].address, "r", h.fingerprint, 10)
+        assert client.num_pairs == 1
+        deadline = time.monotonic() + 5
+        while servers[0].pairs_open != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        client.pull(servers[1].address, "r", h.fingerprint, 10)  # bound 1: the first pair goes
+        assert client.num_pairs == 1
+        while servers[0].pairs_open != 0:
+            assert time.monotonic() < deadline, "the evicted pair was not closed on the sender"
+            time.sleep(0.05)
+        time.sleep(0.6)
+        client.pull(servers[0].address, "r", h.fingerprint, 10)  # idle pair closed, new one made
+        while servers[1].pairs_open != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        client.close()
+        for s in servers:
+            s.stop()
+
+
+def test_shm_is_used_only_on_the_same_host():
+    from kvtransfer.grpc_transport import GrpcKVClient
+
+    t = get_transport("shm")
+    h = random_handle(n_blocks=20)
+    seen = []
+
+    def spy(msg: pb.PullKVResponse) -> pb.PullKVResponse:
+        seen.append(msg.WhichOneof("msg") if not msg.header.shm_name else "shm")
+        return msg
+
+    server = t.serve(DictSource({"r": h}), "127.0.0.1", 0, message_hook=spy)
+    try:
+        local = t.client()
+        assert torch.equal(local.pull(server.address, "r", h.fingerprint, 10).blocks, h.blocks)
+        assert seen == ["shm"]
+        seen.clear()
+        remote = GrpcKVClient(shared_memory=True)
+        remote.host_id = "another-host"  # as a receiver on another node would say
+        assert torch.equal(remote.pull(server.address, "r", h.fingerprint, 10).blocks, h.blocks)
+        assert seen[0] == "header" and set(seen[1:]) == {"chunk"}
+    finally:
+        server.stop()
+    assert not _segments()
+
+
+def test_nccl_without_gpus_fails_loudly_at_start():
+    from kvtransfer.dist_transport import TransportUnavailableError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: NCCL can work")
+    with pytest.raises(TransportUnavailableError, match="nccl needs CUDA"):
+        get_transport("nccl")
