@@ -47,7 +47,6 @@ from services.engine.kv_handle import KVHandle, LayoutFingerprint
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 16 << 20
-_POLL_S = 0.5  # how often waiting threads look up from a store wait (to notice stop)
 
 ChunkHook = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -80,22 +79,19 @@ def _group(backend: str, store: Any, rank: int, timeout_s: float) -> Any:
     return dist.ProcessGroupNCCL(store, rank, 2, opts)
 
 
-def _wait(store: Any, key: str, timeout_s: float, stopped: threading.Event | None = None) -> bytes:
-    """The value at ``key`` once it is set; TimeoutError after ``timeout_s``."""
-    end = time.monotonic() + timeout_s
-    while True:
-        left = end - time.monotonic()
-        if left <= 0 or (stopped is not None and stopped.is_set()):
-            raise TimeoutError(f"no {key!r} in the KV store within {timeout_s:.1f}s")
-        try:
-            store.wait([key], datetime.timedelta(seconds=min(_POLL_S, left)))
-        except dist.DistStoreError as e:
-            if "imeout" in str(e) or "wait" in str(e):
-                continue
-            raise wire.TransferError(f"KV store: {e}") from None
-        value = store.get(key)
-        store.delete_key(key)
-        return value
+def _wait(store: Any, key: str, timeout_s: float) -> bytes:
+    """The value at ``key`` once it is set (then the key is deleted); TimeoutError after
+    ``timeout_s``. NOTE: one blocking wait, no polling; a stopping server wakes its own
+    waiters by setting the keys they wait on."""
+    try:
+        store.wait([key], datetime.timedelta(seconds=max(0.001, timeout_s)))
+    except dist.DistStoreError as e:
+        if "timeout" in str(e).lower():
+            raise TimeoutError(f"no {key!r} in the KV store within {timeout_s:.1f}s") from None
+        raise wire.TransferError(f"KV store: {e}") from None
+    value = store.get(key)
+    store.delete_key(key)
+    return value
 
 
 def _device(backend: str) -> torch.device:
@@ -135,6 +131,8 @@ class DistKVServer:
         self._stopped = threading.Event()
         self.pairs_open = 0
         self._threads: list[threading.Thread] = []
+        self._waiting: dict[str, bytes] = {}  # key a thread waits on -> what wakes it at stop
+        self._wlock = threading.Lock()
         self._spawn(self._accept, "kv-dist-accept")
         _LIVE.add(self)
 
@@ -148,27 +146,54 @@ class DistKVServer:
         return self._address
 
     def stop(self, grace_s: float = 1.0) -> None:
-        """Stop accepting and end every pair; waits (about ``_POLL_S``) for the threads.
-        NOTE: a thread still inside a C++ store wait at interpreter exit aborts the process,
-        so stop() always joins, and an atexit hook stops whatever was left running."""
+        """Stop accepting and end every pair, then join the threads. NOTE: a thread still
+        inside a C++ store wait at interpreter exit aborts the process, so stop() wakes every
+        waiter (it sets the keys they wait on) and joins, and an atexit hook stops whatever
+        was left running."""
         self._stopped.set()
+        with self._wlock:
+            wake = dict(self._waiting)
+        store = self._connect()
+        for key, value in wake.items():
+            store.set(key, value)
         for th in list(self._threads):
-            th.join(timeout=max(grace_s, 2 * _POLL_S) + 1.0)
+            th.join(timeout=grace_s + 2.0)
+
+    def _wait_for(self, store: Any, key: str, wake: bytes, timeout_s: float) -> bytes:
+        with self._wlock:
+            self._waiting[key] = wake
+        try:
+            return _wait(store, key, timeout_s)
+        finally:
+            with self._wlock:
+                self._waiting.pop(key, None)
+
+    def _connect(self) -> Any:
+        # NOTE: one store connection per thread: a TCPStore object serialises its calls, so
+        # a thread parked in wait() would hold up every other thread's set/get behind it
+        host, port = self._address.rsplit(":", 1)
+        return dist.TCPStore(
+            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s)
+        )
 
     def _accept(self) -> None:
+        store = self._connect()
         k = 0
         while not self._stopped.is_set():
             try:
-                _wait(self.store, f"open/{k}", 3600.0, self._stopped)
+                self._wait_for(store, f"open/{k}", b"stop", 24 * 3600.0)
             except (TimeoutError, wire.TransferError):
                 continue
+            if self._stopped.is_set():
+                return
             self._spawn(self._serve_pair, f"kv-dist-pair-{k}", k)
             k += 1
 
     def _serve_pair(self, k: int) -> None:
         prefix = f"pair/{k}/"
+        store = self._connect()
         try:
-            pg = _group(self.backend, dist.PrefixStore(prefix, self.store), 0, self.timeout_s)
+            pg = _group(self.backend, dist.PrefixStore(prefix, store), 0, self.timeout_s)
         except Exception as e:  # the decode side went away before the group formed
             log.warning("KV pair %d did not form: %s", k, e)
             return
@@ -177,47 +202,49 @@ class DistKVServer:
             n = 0
             while not self._stopped.is_set():
                 try:
-                    msg = json.loads(
-                        _wait(self.store, f"{prefix}q/{n}", 24 * 3600.0, self._stopped)
-                    )
+                    raw = self._wait_for(store, f"{prefix}q/{n}", b'{"op": "close"}', 24 * 3600.0)
+                    msg = json.loads(raw)
                 except TimeoutError:
                     return
                 if msg["op"] == "close":
                     return
                 if msg["op"] == "release":
                     self.source.release(msg["request_id"])
-                    self.store.set(f"{prefix}r/{n}", b'{"ok": true}')
+                    store.set(f"{prefix}r/{n}", b'{"ok": true}')
                 elif msg["op"] == "pull":
-                    self._pull(pg, prefix, n, msg)
+                    self._pull(pg, store, prefix, n, msg)
                 n += 1
         except Exception as e:  # a dead or timed-out peer: this pair is done
             log.info("KV pair %d closed: %s", k, e)
         finally:
             self.pairs_open -= 1
 
-    def _pull(self, pg: Any, prefix: str, n: int, msg: dict[str, Any]) -> None:
+    def _pull(self, pg: Any, store: Any, prefix: str, n: int, msg: dict[str, Any]) -> None:
         handle = self.source.get(msg["request_id"])
         if handle is None:
-            self._answer(prefix, n, {"error": "not_found", "detail": msg["request_id"]})
+            self._answer(store, prefix, n, {"error": "not_found", "detail": msg["request_id"]})
             return
         want = pb.KVLayout.FromString(base64.b64decode(msg["layout"]))
         try:
             wire.check_layout(handle.fingerprint, wire.layout_from_proto(want))
         except LayoutMismatchError as e:
-            self._answer(prefix, n, {"error": "layout", "detail": str(e)})
+            self._answer(store, prefix, n, {"error": "layout", "detail": str(e)})
             return
         data = wire.payload(handle).to(_device(self.backend))
         chunk = min(int(msg.get("max_chunk_bytes") or self.chunk_bytes), self.chunk_bytes)
         header = wire.header_for(handle, data, chunk)
-        self._answer(prefix, n, {"header": base64.b64encode(header.SerializeToString()).decode()})
+        self._answer(
+            store, prefix, n, {"header": base64.b64encode(header.SerializeToString()).decode()}
+        )
         for seq, (a, b) in enumerate(wire.chunk_ranges(data.numel(), chunk)):
             part = data[a:b]
             if self.chunk_hook is not None:
                 part = self.chunk_hook(seq, part)
             pg.send([part], 1, n).wait()
 
-    def _answer(self, prefix: str, n: int, body: dict[str, Any]) -> None:
-        self.store.set(f"{prefix}r/{n}", json.dumps(body).encode())
+    @staticmethod
+    def _answer(store: Any, prefix: str, n: int, body: dict[str, Any]) -> None:
+        store.set(f"{prefix}r/{n}", json.dumps(body).encode())
 
 
 class _Pair:

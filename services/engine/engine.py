@@ -57,6 +57,7 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     num_steps: int
+    num_hold_expiries: int = 0  # held KV freed because no decode replica claimed it in time
 
 
 class Engine:
@@ -128,6 +129,7 @@ class Engine:
         self._prefix_hit_tokens = 0
         self._num_preemptions = 0
         self._num_steps = 0
+        self._num_hold_expiries = 0  # held KV freed by its lease, never claimed
 
     @classmethod
     def from_path(
@@ -331,6 +333,7 @@ class Engine:
             prefix_hit_tokens=self._prefix_hit_tokens,
             num_preemptions=self._num_preemptions,
             num_steps=self._num_steps,
+            num_hold_expiries=self._num_hold_expiries,
         )
 
     def check_integrity(self) -> None:
@@ -380,6 +383,7 @@ class Engine:
         for req in [r for r in self._requests.values() if r.status is Status.HELD]:
             if req.hold_deadline is not None and now > req.hold_deadline:
                 self.release_kv(req.request_id)
+                self._num_hold_expiries += 1
 
     def _append_token(self, req: Request, token: int, logprob: float | None, now: float) -> None:
         req.token_ids.append(token)

@@ -95,9 +95,11 @@ def test_unexported_hold_expires(make_engine):
     assert pre.blocks.num_used_blocks > 0
     import time
 
+    assert pre.stats().num_hold_expiries == 0
     time.sleep(0.02)
     pre.step()
     assert pre.blocks.num_used_blocks == 0
+    assert pre.stats().num_hold_expiries == 1  # counted apart from transport failures
     with pytest.raises(UnknownRequestError):
         pre.export_kv("r")
 
