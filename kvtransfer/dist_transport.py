@@ -118,8 +118,12 @@ class DistKVServer:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float = 30.0,
+        lease_s: float = 60.0,
         chunk_hook: ChunkHook | None = None,
     ) -> None:
+        # NOTE: lease_s is the engine's: held KV the receiver never released is freed by the
+        # prefill engine's hold lease (the payload never leaves the engine here)
+        del lease_s
         check_backend(backend)
         self.source, self.backend, self.chunk_bytes = source, backend, chunk_bytes
         self.timeout_s, self.chunk_hook = timeout_s, chunk_hook

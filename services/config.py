@@ -133,7 +133,11 @@ class ServeConfig(BaseModel):
     retry_after_s: float = Field(
         1.0, gt=0, description="retry hint sent with an overload refusal (Retry-After)"
     )
-    kv_transport: str = Field("grpc", description="KV transport (see kvtransfer.transport)")
+    kv_transport: Literal["grpc", "shm", "gloo", "nccl"] = Field(
+        "grpc",
+        description="KV transport: grpc (streamed), shm (shared memory on one host, else "
+        "grpc), gloo (torch.distributed on CPU), nccl (torch.distributed between GPUs)",
+    )
     kv_port: int = Field(
         0,
         ge=0,

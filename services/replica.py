@@ -127,6 +127,11 @@ class EngineReplica:
         when the pool autoscales; never waits for the engine lock."""
         return self.metrics.autoscaling_stats(self.engine.last_stats, self.engine.busy_s)
 
+    def kv_self_test(self) -> dict[str, float | str] | None:
+        """Which transport carries this replica's KV and its start-up self-test bandwidth."""
+        r = self.metrics.self_test
+        return None if r is None else {"transport": r.transport, "gbps": r.gbps, "bytes": r.nbytes}
+
     def reset_prefix_cache(self) -> int:
         """Evict every unreferenced cached block (operators, tests); the index follows."""
         return self.engine.call(lambda e: e.blocks.reset_prefix_cache())

@@ -47,6 +47,20 @@ class _RaySeries:
             )
         }
         self.prompt_tokens = m.Gauge("pdserve_replica_prompt_tokens_computed", "prefill work done")
+        self.failures = m.Counter(
+            "pdserve_replica_kv_transfer_failures",
+            "failed KV pulls (decode), by reason: deadline, transfer, not_held, layout",
+            tag_keys=("reason",),
+        )
+        self.lease_expiries = m.Counter(
+            "pdserve_replica_kv_lease_expiries",
+            "held KV freed by its lease because no decode replica claimed it (prefill)",
+        )
+        self.transport_gbps = m.Gauge(
+            "pdserve_replica_kv_transport_gbps",
+            "the KV transport's bandwidth in the replica's start-up self-test",
+            tag_keys=("transport",),
+        )
         self.hit_tokens = m.Gauge("pdserve_replica_prefix_hit_tokens", "prompt tokens reused")
 
 
@@ -59,6 +73,9 @@ class ReplicaMetrics:
         self.percentile = percentile
         self.busy_window_s = busy_window_s
         self._busy: deque[tuple[float, float]] = deque()  # (monotonic time, engine busy_s)
+        self.transfer_failures: dict[str, int] = {}
+        self.self_test: Any = None
+        self._lease_expiries = 0
         self.ttft = LatencyWindow(window_s)
         self.itl = LatencyWindow(window_s)
         self._ray: _RaySeries | None = None
@@ -85,6 +102,17 @@ class ReplicaMetrics:
     def observe_finish(self, e2e_s: float) -> None:
         if self._ray is not None:
             self._ray.e2e.observe(e2e_s)
+
+    def observe_self_test(self, result: Any) -> None:
+        """``kvtransfer.selftest.SelfTest``: which transport carries KV, at what GB/s."""
+        self.self_test = result
+        if self._ray is not None:
+            self._ray.transport_gbps.set(result.gbps, tags={"transport": result.transport})
+
+    def observe_transfer_failure(self, reason: str) -> None:
+        self.transfer_failures[reason] = self.transfer_failures.get(reason, 0) + 1
+        if self._ray is not None:
+            self._ray.failures.inc(tags={"reason": reason})
 
     def observe_transfer(self, seconds: float, nbytes: int) -> None:
         if self._ray is not None:
@@ -126,4 +154,7 @@ class ReplicaMetrics:
         g["kv_blocks_free"].set(s.blocks_free)
         g["prefill_tokens_queued"].set(s.prefill_tokens_queued)
         self._ray.prompt_tokens.set(s.prompt_tokens_computed)
+        if s.num_hold_expiries > self._lease_expiries:  # the engine counts; Ray's counter follows
+            self._ray.lease_expiries.inc(s.num_hold_expiries - self._lease_expiries)
+            self._lease_expiries = s.num_hold_expiries
         self._ray.hit_tokens.set(s.prefix_hit_tokens)

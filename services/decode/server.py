@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from kvtransfer.selftest import self_test
 from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
 from services.config import ServeConfig
@@ -34,6 +35,16 @@ from services.replica import EngineReplica, open_index
 log = logging.getLogger(__name__)
 
 
+def _failure_reason(e: Exception) -> str:
+    if isinstance(e, TimeoutError):
+        return "deadline"
+    if isinstance(e, UnknownRequestError):
+        return "not_held"  # expired on the prefill side, or never held there
+    if isinstance(e, LayoutMismatchError):
+        return "layout"
+    return "transfer"  # corrupt, incomplete, a dead peer
+
+
 class DecodeServer(EngineReplica):
     """Args: role: ``decode``, or ``both`` in colocated mode; index_handle: see PrefillServer."""
 
@@ -41,7 +52,10 @@ class DecodeServer(EngineReplica):
         self, cfg: ServeConfig, role: Literal["both", "decode"] = "decode", index_handle: Any = None
     ) -> None:
         super().__init__(cfg, cfg.decode, role, open_index(cfg, index_handle))
-        self.kv_client = get_transport(cfg.kv_transport).client()
+        transport = get_transport(cfg.kv_transport)  # NOTE: raises if it cannot work here
+        if role == "decode":
+            self.metrics.observe_self_test(self_test(transport, self.engine.engine.fingerprint))
+        self.kv_client = transport.client()
         # test hook: when set, the next KV pull fails as a lost transfer would
         self.fail_next_pulls = 0
 
@@ -56,6 +70,7 @@ class DecodeServer(EngineReplica):
                 self.kv_client.pull, prefill.kv_address, spec.request_id, fp, self.cfg.kv_timeout_s
             )
         except (TransferError, TimeoutError, UnknownRequestError, LayoutMismatchError) as e:
+            self.metrics.observe_transfer_failure(_failure_reason(e))
             raise KVTransferFailedError(
                 f"KV transfer for {spec.request_id!r} failed: {e}"
             ) from None
@@ -113,6 +128,10 @@ class DecodeServer(EngineReplica):
                 kv_transfer_bytes=transfer_bytes,
             )
             transfer_s, transfer_bytes = 0.0, 0
+
+    def kv_transfer_failures(self) -> dict[str, int]:
+        """Failed pulls by reason (operators, tests)."""
+        return dict(self.metrics.transfer_failures)
 
     def set_fail_next_pulls(self, n: int) -> None:
         self.fail_next_pulls = n

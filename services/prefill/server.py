@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtransfer.selftest import self_test
 from kvtransfer.source import EngineKVSource
 from kvtransfer.transport import get_transport
 from services.config import ServeConfig
@@ -25,8 +26,13 @@ class PrefillServer(EngineReplica):
 
     def __init__(self, cfg: ServeConfig, index_handle: Any = None) -> None:
         super().__init__(cfg, cfg.prefill, "prefill", open_index(cfg, index_handle))
-        self.kv_server = get_transport(cfg.kv_transport).serve(
-            EngineKVSource(self.engine.engine, self.engine.lock), node_ip(), cfg.kv_port
+        transport = get_transport(cfg.kv_transport)  # NOTE: raises if it cannot work here
+        self.metrics.observe_self_test(self_test(transport, self.engine.engine.fingerprint))
+        self.kv_server = transport.serve(
+            EngineKVSource(self.engine.engine, self.engine.lock),
+            node_ip(),
+            cfg.kv_port,
+            lease_s=cfg.kv_hold_timeout_s,
         )
 
     async def prefill(self, spec: GenerateSpec, route: RouteHint | None = None) -> PrefillResult:

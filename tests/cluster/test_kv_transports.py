@@ -1,0 +1,56 @@
+"""Disaggregated serving over every CPU KV transport (grpc, shm, gloo): the same tokens as a
+single-process engine, each replica's start-up self-test names its transport, and a transfer
+that fails is counted by reason."""
+
+from __future__ import annotations
+
+import pytest
+from ray import serve
+
+from tests.cluster.conftest import complete, deploy, undeploy
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+TRANSPORTS = ("shm", "gloo")  # grpc: every other cluster test
+APPS = {f"kv-{t}": (f"/kv-{t}", {"kv_transport": t}) for t in TRANSPORTS}
+
+
+@pytest.fixture(scope="module")
+def apps(ray_serve):
+    pools = {"num_kv_blocks": 256}
+    deploy({n: (p, {**o, "prefill": pools, "decode": pools}) for n, (p, o) in APPS.items()})
+    yield
+    undeploy(list(APPS))
+
+
+def test_tokens_are_identical_over_each_transport(apps, smollm_engine):
+    from services.engine.sampling_params import SamplingParams
+
+    prompt = "The three primary colours are"
+    ids = smollm_engine.tokenizer.encode(prompt)
+    (want,) = smollm_engine.generate(
+        [ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    for t in TRANSPORTS:
+        got, _ = complete(body, prefix=f"/kv-{t}")
+        assert got == want, t
+        streamed, _ = complete(body, stream=True, prefix=f"/kv-{t}")
+        assert streamed == want, t
+
+
+def test_each_replica_reports_the_transport_it_tested(apps):
+    for t in TRANSPORTS:
+        for deployment in ("prefill", "decode"):
+            h = serve.get_deployment_handle(deployment, app_name=f"kv-{t}")
+            report = h.kv_self_test.remote().result()
+            assert report["transport"] == t and report["gbps"] > 0 and report["bytes"] >= 1 << 20
+
+
+def test_a_failed_transfer_is_counted_and_re_prefilled(apps):
+    h = serve.get_deployment_handle("decode", app_name="kv-gloo")
+    h.set_fail_next_pulls.remote(1).result()
+    body = {"prompt": "Count to five:", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    got, _ = complete(body, prefix="/kv-gloo")
+    assert len(got) == 6  # the gateway re-prefilled once and the request went on
+    assert h.kv_transfer_failures.remote().result().get("transfer", 0) >= 1
