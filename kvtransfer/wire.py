@@ -6,6 +6,7 @@ whose layout equals the receiver's own, or raises; it never returns partial or u
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Iterable, Iterator
 
@@ -173,6 +174,14 @@ def from_segment(h: pb.KVHeader, expected: LayoutFingerprint) -> KVHandle:
     return handle_from(h, data, expected)
 
 
+def _view(data: bytes) -> torch.Tensor:
+    # NOTE: a read-only view of the message's bytes (torch warns that it could write to
+    # them; it only reads them here, into the receive buffer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
 def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -> KVHandle:
     """Rebuild a handle; raises LayoutMismatchError or TransferError."""
     it = iter(messages)
@@ -184,7 +193,8 @@ def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -
     if h.shm_name:  # same-host handover: the payload is in shared memory, not in chunks
         return from_segment(h, expected)
     want_bytes = h.total_bytes
-    buf = bytearray(want_bytes)
+    # NOTE: torch.empty, not bytearray: no zeroing pass over memory every chunk overwrites
+    buf = torch.empty(want_bytes, dtype=torch.uint8)
     offset = 0
     for seq in range(h.num_chunks):
         msg = next(it, None)
@@ -198,8 +208,9 @@ def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -
         end = offset + len(c.data)
         if end > want_bytes:
             raise TransferError("chunks carry more bytes than the header announced")
-        buf[offset:end] = c.data
+        if c.data:
+            buf[offset:end].copy_(_view(c.data))
         offset = end
     if offset != want_bytes:
         raise TransferError(f"received {offset} of {want_bytes} bytes")
-    return handle_from(h, torch.frombuffer(buf, dtype=torch.uint8), expected)
+    return handle_from(h, buf, expected)
