@@ -64,8 +64,8 @@ def serve(transport: str, sizes: list[float]) -> None:
 
         def conn(c: socket.socket) -> None:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with c:
-                while hdr := c.recv(64):
+            with c, c.makefile("rb") as f:
+                while hdr := f.read(64):  # a fixed 64-byte request: the payload's key
                     c.sendall(memoryview(payloads[hdr.decode().strip()]))
 
         def accept() -> None:
@@ -86,11 +86,14 @@ def tcp_pull(address: str, key: str, nbytes: int, sock: list[socket.socket]) -> 
         host, port = address.rsplit(":", 1)
         sock.append(socket.create_connection((host, int(port))))
     s = sock[0]
-    s.sendall(f"{key:<63}\n".encode()[:64])
+    s.sendall(f"{key:<64}".encode()[:64])
     buf = bytearray(nbytes)
     view, got = memoryview(buf), 0
     while got < nbytes:
-        got += s.recv_into(view[got:])
+        n = s.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("the raw TCP sender closed the connection")
+        got += n
 
 
 def measure(transport: str, sizes: list[float], repeats: int) -> dict[float, float]:
@@ -153,7 +156,7 @@ def ttft_share(gbps: dict[str, float]) -> list[dict[str, float]]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256])
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 4.0, 16.0, 64.0, 256.0])
     ap.add_argument("--transports", nargs="+", default=["grpc", "shm", "gloo"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--ttft", action="store_true", help="also the transfer share of TTFT")

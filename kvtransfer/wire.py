@@ -46,12 +46,7 @@ def check_layout(got: LayoutFingerprint, want: LayoutFingerprint) -> None:
         raise LayoutMismatchError(f"KV layout mismatch: {got.describe_mismatch(want)}")
 
 
-def encode(handle: KVHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.PullKVResponse]:
-    """Header, then the block tensor's bytes in chunks of at most ``chunk_bytes``."""
-    chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
-    payload = memoryview(handle.blocks.contiguous().view(torch.uint8).numpy()).cast("B")
-    total = len(payload)
-    n_chunks = max(1, -(-total // chunk_bytes))
+def _header(handle: KVHandle, total: int, n_chunks: int) -> pb.KVHeader:
     header = pb.KVHeader(
         request_id=handle.request_id,
         token_ids=handle.token_ids,
@@ -64,7 +59,16 @@ def encode(handle: KVHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator
     )
     if handle.first_logprob is not None:
         header.first_logprob = handle.first_logprob
-    yield pb.PullKVResponse(header=header)
+    return header
+
+
+def encode(handle: KVHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.PullKVResponse]:
+    """Header, then the block tensor's bytes in chunks of at most ``chunk_bytes``."""
+    chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+    payload = memoryview(handle.blocks.contiguous().view(torch.uint8).numpy()).cast("B")
+    total = len(payload)
+    n_chunks = max(1, -(-total // chunk_bytes))
+    yield pb.PullKVResponse(header=_header(handle, total, n_chunks))
     for seq in range(n_chunks):
         data = bytes(payload[seq * chunk_bytes : (seq + 1) * chunk_bytes])
         yield pb.PullKVResponse(chunk=pb.KVChunk(seq=seq, data=data, crc32=zlib.crc32(data)))
@@ -99,21 +103,10 @@ def header_for(
     """The header of an out-of-band transfer: sizes and each chunk's checksum."""
     kind = kind or ("crc32" if data.device.type == "cpu" else "sum64")
     ranges = chunk_ranges(data.numel(), chunk_bytes)
-    header = pb.KVHeader(
-        request_id=handle.request_id,
-        token_ids=handle.token_ids,
-        num_computed=handle.num_computed,
-        layout=layout_to_proto(handle.fingerprint),
-        block_hashes=handle.block_hashes,
-        num_blocks=handle.num_blocks,
-        total_bytes=data.numel(),
-        num_chunks=len(ranges),
-        chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
-        checksum=kind,
-        chunk_checksums=[checksum(kind, data[a:b]) for a, b in ranges],
-    )
-    if handle.first_logprob is not None:
-        header.first_logprob = handle.first_logprob
+    header = _header(handle, data.numel(), len(ranges))
+    header.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+    header.checksum = kind
+    header.chunk_checksums.extend(checksum(kind, data[a:b]) for a, b in ranges)
     return header
 
 
