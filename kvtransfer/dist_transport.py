@@ -201,7 +201,8 @@ class DistKVServer:
         except Exception as e:  # the decode side went away before the group formed
             log.warning("KV pair %d did not form: %s", k, e)
             return
-        self.pairs_open += 1
+        with self._wlock:
+            self.pairs_open += 1
         try:
             n = 0
             while not self._stopped.is_set():
@@ -221,7 +222,8 @@ class DistKVServer:
         except Exception as e:  # a dead or timed-out peer: this pair is done
             log.info("KV pair %d closed: %s", k, e)
         finally:
-            self.pairs_open -= 1
+            with self._wlock:
+                self.pairs_open -= 1
 
     def _pull(self, pg: Any, store: Any, prefix: str, n: int, msg: dict[str, Any]) -> None:
         handle = self.source.get(msg["request_id"])
