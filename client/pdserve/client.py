@@ -164,16 +164,16 @@ class _Call:
         """Seconds to wait before the next attempt; re-raises ``e`` when there is none."""
         if e.code() not in _RETRYABLE or self.attempt >= self.retries:
             raise e
-        if self.rec.result.token_ids:
-            if not resumable(self.req):
-                raise e  # a sampled stream cannot be reproduced: tokens would differ
-            self.rec.result.resumes += 1
+        resuming = bool(self.rec.result.token_ids)
+        if resuming and not resumable(self.req):
+            raise e  # a sampled stream cannot be reproduced: tokens would differ
         hint = _retry_after_s(e) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
         wait = hint if hint is not None else self.backoff_s * 2**self.attempt
         left = self.timeout()
         if left is not None and wait >= left:
             raise e  # the deadline would pass while waiting
         self.attempt += 1
+        self.rec.result.resumes += resuming
         return wait
 
 
