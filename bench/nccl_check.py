@@ -22,15 +22,15 @@ import torch.multiprocessing as mp
 
 def _sender(sizes: list[float], q: mp.Queue, done: mp.Event) -> None:  # type: ignore[type-arg]
     torch.cuda.set_device(0)
+    import dataclasses
+
     from bench.kv_transfer_bench import Source, handle
     from kvtransfer.transport import get_transport
 
     handles = {}
     for mb in sizes:
         h = handle(mb)
-        handles[f"{mb}"] = (
-            type(h)(**{**h.__dict__, "blocks": h.blocks.cuda()}) if hasattr(h, "__dict__") else h
-        )
+        handles[f"{mb}"] = dataclasses.replace(h, blocks=h.blocks.cuda())
     server = get_transport("nccl").serve(Source(handles), "127.0.0.1", 0)
     q.put(server.address)
     done.wait()

@@ -6,10 +6,10 @@ whose layout equals the receiver's own, or raises; it never returns partial or u
 
 from __future__ import annotations
 
-import warnings
 import zlib
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
@@ -167,14 +167,6 @@ def from_segment(h: pb.KVHeader, expected: LayoutFingerprint) -> KVHandle:
     return handle_from(h, data, expected)
 
 
-def _view(data: bytes) -> torch.Tensor:
-    # NOTE: a read-only view of the message's bytes (torch warns that it could write to
-    # them; it only reads them here, into the receive buffer)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.uint8)
-
-
 def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -> KVHandle:
     """Rebuild a handle; raises LayoutMismatchError or TransferError."""
     it = iter(messages)
@@ -188,6 +180,7 @@ def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -
     want_bytes = h.total_bytes
     # NOTE: torch.empty, not bytearray: no zeroing pass over memory every chunk overwrites
     buf = torch.empty(want_bytes, dtype=torch.uint8)
+    out = buf.numpy()  # the same memory; numpy reads the read-only message bytes without a copy
     offset = 0
     for seq in range(h.num_chunks):
         msg = next(it, None)
@@ -201,8 +194,7 @@ def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -
         end = offset + len(c.data)
         if end > want_bytes:
             raise TransferError("chunks carry more bytes than the header announced")
-        if c.data:
-            buf[offset:end].copy_(_view(c.data))
+        out[offset:end] = np.frombuffer(c.data, dtype=np.uint8)
         offset = end
     if offset != want_bytes:
         raise TransferError(f"received {offset} of {want_bytes} bytes")

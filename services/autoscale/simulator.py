@@ -290,9 +290,9 @@ def simulate(
                     rep = max(live, key=lambda r: (r.ready, -len(r.running) - r.free_at))
                     rep.retired = now
                     if not rep.running and not rep.waiting:
-                        rep.drained_at = max(now, rep.free_at if pool is P else now)
-                        if rep.ready > now:
-                            rep.drained_at = now
+                        # a ready prefill replica still works through its queue until free_at
+                        busy_until = rep.free_at if pool is P and rep.ready <= now else now
+                        rep.drained_at = max(now, busy_until)
             timeline.append((now, wanted(P), wanted(D)))
             pending = any(not math.isfinite(f) for f in finish)
             if pending and now < end:

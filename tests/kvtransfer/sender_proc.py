@@ -10,7 +10,7 @@ import time
 import torch
 
 from kvtransfer.transport import get_transport
-from tests.kvtransfer.test_contract import DictSource, random_handle
+from tests.kvtransfer.kv_fixtures import DictSource, random_handle
 
 
 def main() -> None:

@@ -14,38 +14,11 @@ from kvtransfer.grpc_transport import GrpcKVClient, GrpcKVServer
 from kvtransfer.source import EngineKVSource
 from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
-from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
-from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.sampling_params import SamplingParams
+from tests.kvtransfer.kv_fixtures import DictSource, random_handle
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class DictSource:
-    def __init__(self, handles: dict[str, KVHandle], delay_s: float = 0.0) -> None:
-        self.handles = handles
-        self.released: list[str] = []
-        self.delay_s = delay_s
-
-    def get(self, request_id):
-        time.sleep(self.delay_s)
-        return self.handles.get(request_id)
-
-    def release(self, request_id):
-        self.released.append(request_id)
-        self.handles.pop(request_id, None)
-
-
-def random_handle(layers=3, kv_heads=2, head_dim=8, block_size=4, n_blocks=5, dtype="float32"):
-    fp = LayoutFingerprint("m", layers, kv_heads, head_dim, block_size, dtype)
-    blocks = torch.randn(layers, 2, n_blocks, block_size, kv_heads, head_dim).to(
-        getattr(torch, dtype)
-    )
-    n_tokens = n_blocks * block_size - 1
-    return KVHandle(
-        "r", tuple(range(n_tokens + 1)), n_tokens, fp, (b"h" * 16,) * (n_blocks - 1), blocks, -0.5
-    )
 
 
 @pytest.fixture
@@ -74,24 +47,6 @@ def test_round_trip_is_byte_exact(client, layout, chunk_bytes):
         server.stop()
     assert torch.equal(got.blocks.view(torch.uint8), h.blocks.contiguous().view(torch.uint8))
     assert dataclasses.replace(got, blocks=h.blocks) == dataclasses.replace(h)
-
-
-def test_corrupted_chunk_is_detected(client):
-    h = random_handle(n_blocks=8)
-
-    def flip(msg: pb.PullKVResponse) -> pb.PullKVResponse:
-        if msg.WhichOneof("msg") == "chunk" and msg.chunk.seq == 1:
-            data = bytearray(msg.chunk.data)
-            data[7] ^= 0x40
-            msg.chunk.data = bytes(data)
-        return msg
-
-    server = GrpcKVServer(DictSource({"r": h}), chunk_bytes=512, message_hook=flip)
-    try:
-        with pytest.raises(TransferError, match="chunk 1 failed its CRC-32"):
-            client.pull(server.address, "r", h.fingerprint, timeout_s=10)
-    finally:
-        server.stop()
 
 
 def test_mismatched_layout_unknown_request_and_deadline(client):
