@@ -20,7 +20,6 @@ import grpc
 from kvtransfer import shm, wire
 from kvtransfer.transport import KVSource
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
-from proto.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 
@@ -29,12 +28,15 @@ MAX_MESSAGE_BYTES = 64 << 20
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.lookahead_bytes", 16 << 20),
 ]
 
-MessageHook = Callable[[pb.PullKVResponse], pb.PullKVResponse]
+# test hook over every outgoing message, parsed (fault injection; slows the server down)
+MessageHook = Callable[[Any], Any]
+_SERVICE = "pdserve.v1.KVTransfer"
 
 
-class _Servicer(pb_grpc.KVTransferServicer):
+class _Servicer:
     def __init__(
         self,
         source: KVSource,
@@ -66,11 +68,15 @@ class _Servicer(pb_grpc.KVTransferServicer):
             header = wire.header_for(handle, data, chunk)
             header.shm_name = shm.write_segment(data)
             self.segments.add(request.request_id, header.shm_name)
-            msg = pb.PullKVResponse(header=header)
-            yield self.hook(msg) if self.hook is not None else msg
+            yield self._hooked(pb.PullKVResponse(header=header).SerializeToString())
             return
         for msg in wire.encode(handle, chunk):
-            yield self.hook(msg) if self.hook is not None else msg
+            yield self._hooked(msg)
+
+    def _hooked(self, raw: bytes, kind: type = pb.PullKVResponse) -> bytes:
+        if self.hook is None:
+            return raw
+        return self.hook(kind.FromString(raw)).SerializeToString()  # type: ignore[attr-defined]
 
     def ReleaseKV(
         self, request: pb.ReleaseKVRequest, context: grpc.ServicerContext
@@ -106,8 +112,21 @@ class GrpcKVServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS
         )
-        pb_grpc.add_KVTransferServicer_to_server(
-            _Servicer(source, chunk_bytes, message_hook, self.segments), self._server
+        servicer = _Servicer(source, chunk_bytes, message_hook, self.segments)
+        # NOTE: registered by hand, not with the generated helper: the data-carrying streams
+        # send bytes framed by ``wire`` (one copy) instead of protobuf messages.
+        handlers = {
+            "PullKV": grpc.unary_stream_rpc_method_handler(
+                servicer.PullKV, pb.PullKVRequest.FromString, wire.serialize
+            ),
+            "ReleaseKV": grpc.unary_unary_rpc_method_handler(
+                servicer.ReleaseKV,
+                pb.ReleaseKVRequest.FromString,
+                pb.ReleaseKVResponse.SerializeToString,
+            ),
+        }
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(_SERVICE, handlers),)
         )
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
@@ -136,11 +155,11 @@ class GrpcKVClient:
         self._channels: dict[str, grpc.Channel] = {}
         self.host_id = shm.host_id() if shared_memory else ""
 
-    def _stub(self, address: str) -> pb_grpc.KVTransferStub:
+    def _channel(self, address: str) -> grpc.Channel:
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = grpc.insecure_channel(address, options=_OPTIONS)
-        return pb_grpc.KVTransferStub(ch)
+        return ch
 
     def pull(
         self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
@@ -149,15 +168,22 @@ class GrpcKVClient:
             request_id=request_id, layout=wire.layout_to_proto(layout), host_id=self.host_id
         )
         try:
-            return wire.decode(self._stub(address).PullKV(req, timeout=timeout_s), layout)
+            # NOTE: no response deserializer: ``wire`` reads the raw frames without a copy
+            pull = self._channel(address).unary_stream(
+                f"/{_SERVICE}/PullKV", pb.PullKVRequest.SerializeToString, None
+            )
+            return wire.decode(pull(req, timeout=timeout_s), layout)
         except grpc.RpcError as e:
             raise _map_error(e, address) from None
 
     def release(self, address: str, request_id: str, timeout_s: float) -> None:
         try:
-            self._stub(address).ReleaseKV(
-                pb.ReleaseKVRequest(request_id=request_id), timeout=timeout_s
+            release = self._channel(address).unary_unary(
+                f"/{_SERVICE}/ReleaseKV",
+                pb.ReleaseKVRequest.SerializeToString,
+                pb.ReleaseKVResponse.FromString,
             )
+            release(pb.ReleaseKVRequest(request_id=request_id), timeout=timeout_s)
         except grpc.RpcError as e:
             raise _map_error(e, address) from None
 

@@ -6,6 +6,7 @@ whose layout equals the receiver's own, or raises; it never returns partial or u
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Iterable, Iterator
 
@@ -16,7 +17,7 @@ from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 512 << 10
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -62,16 +63,99 @@ def _header(handle: KVHandle, total: int, n_chunks: int) -> pb.KVHeader:
     return header
 
 
-def encode(handle: KVHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.PullKVResponse]:
-    """Header, then the block tensor's bytes in chunks of at most ``chunk_bytes``."""
+# ---- hand-framed data messages ---------------------------------------------------------------
+# NOTE: the messages that carry KV bytes (KVChunk, KVLayerPiece) are framed here instead of by
+# protobuf: protobuf would copy the bytes into a message and again into its serialization, and
+# parse them into a third copy. These frames are the exact protobuf encoding (any protobuf
+# reader parses them; ``tests/kvtransfer`` checks both ways), built with one copy of the data
+# and read as a view into the received bytes.
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def data_frame(
+    outer: int, fields: Iterable[tuple[int, int]], data_field: int, data: memoryview, crc_field: int
+) -> bytes:
+    """The encoding of ``{outer: {fields..., data_field: data, crc_field: crc32(data)}}``."""
+    head = b"".join(_varint(f << 3) + _varint(v) for f, v in fields if v)
+    data_tag = _varint(data_field << 3 | 2) + _varint(len(data))
+    tail = _varint(crc_field << 3 | 5) + struct.pack("<I", zlib.crc32(data))
+    inner = len(head) + len(data_tag) + len(data) + len(tail)
+    return b"".join((_varint(outer << 3 | 2), _varint(inner), head, data_tag, data, tail))
+
+
+def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise TransferError("malformed message: bad varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def read_data_frame(raw: bytes, outer: int) -> tuple[dict[int, int], memoryview] | None:
+    """Inverse of ``data_frame``: (scalar fields by number, a view of the data), or None when
+    ``raw`` is not an ``outer`` message (a header: parse it with protobuf). Unknown fields are
+    skipped; the checksum field comes back among the scalars."""
+    buf = memoryview(raw)
+    tag, i = _read_varint(buf, 0)
+    if tag != (outer << 3 | 2):
+        return None
+    n, i = _read_varint(buf, i)
+    end = i + n
+    if end != len(buf):
+        raise TransferError("malformed message: length does not match")
+    fields: dict[int, int] = {}
+    data = memoryview(b"")
+    while i < end:
+        tag, i = _read_varint(buf, i)
+        field, kind = tag >> 3, tag & 7
+        if kind == 0:
+            fields[field], i = _read_varint(buf, i)
+        elif kind == 2:
+            n, i = _read_varint(buf, i)
+            data = buf[i : i + n]
+            i += n
+        elif kind == 5:
+            (fields[field],) = struct.unpack_from("<I", buf, i)
+            i += 4
+        elif kind == 1:
+            (fields[field],) = struct.unpack_from("<Q", buf, i)
+            i += 8
+        else:
+            raise TransferError(f"malformed message: wire type {kind}")
+    if i != end:
+        raise TransferError("malformed message: truncated field")
+    return fields, data
+
+
+def serialize(msg: object) -> bytes:
+    """gRPC response serializer: hand-framed bytes pass through, messages serialize."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()  # type: ignore[attr-defined]
+
+
+def encode(handle: KVHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    """Serialized ``PullKVResponse``s: the header, then the block tensor's bytes in chunks of
+    at most ``chunk_bytes``."""
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
     payload = memoryview(handle.blocks.contiguous().view(torch.uint8).numpy()).cast("B")
     total = len(payload)
     n_chunks = max(1, -(-total // chunk_bytes))
-    yield pb.PullKVResponse(header=_header(handle, total, n_chunks))
+    yield pb.PullKVResponse(header=_header(handle, total, n_chunks)).SerializeToString()
     for seq in range(n_chunks):
-        data = bytes(payload[seq * chunk_bytes : (seq + 1) * chunk_bytes])
-        yield pb.PullKVResponse(chunk=pb.KVChunk(seq=seq, data=data, crc32=zlib.crc32(data)))
+        # PullKVResponse.chunk = 2 {seq = 1, data = 2, crc32 = 3}
+        yield data_frame(2, ((1, seq),), 2, payload[seq * chunk_bytes : (seq + 1) * chunk_bytes], 3)
 
 
 def payload(handle: KVHandle) -> torch.Tensor:
@@ -167,10 +251,12 @@ def from_segment(h: pb.KVHeader, expected: LayoutFingerprint) -> KVHandle:
     return handle_from(h, data, expected)
 
 
-def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -> KVHandle:
-    """Rebuild a handle; raises LayoutMismatchError or TransferError."""
+def decode(messages: Iterable[bytes], expected: LayoutFingerprint) -> KVHandle:
+    """Rebuild a handle from serialized ``PullKVResponse``s; raises LayoutMismatchError or
+    TransferError."""
     it = iter(messages)
-    first = next(it, None)
+    raw = next(it, None)
+    first = pb.PullKVResponse.FromString(raw) if raw is not None else None
     if first is None or first.WhichOneof("msg") != "header":
         raise TransferError("transfer did not start with a header")
     h = first.header
@@ -183,18 +269,19 @@ def decode(messages: Iterable[pb.PullKVResponse], expected: LayoutFingerprint) -
     out = buf.numpy()  # the same memory; numpy reads the read-only message bytes without a copy
     offset = 0
     for seq in range(h.num_chunks):
-        msg = next(it, None)
-        if msg is None or msg.WhichOneof("msg") != "chunk":
+        raw = next(it, None)
+        frame = read_data_frame(raw, 2) if raw is not None else None
+        if frame is None:
             raise TransferError(f"transfer ended after {seq} of {h.num_chunks} chunks")
-        c = msg.chunk
-        if c.seq != seq:
-            raise TransferError(f"chunk {c.seq} arrived where {seq} was due")
-        if zlib.crc32(c.data) != c.crc32:
+        fields, data = frame
+        if fields.get(1, 0) != seq:
+            raise TransferError(f"chunk {fields.get(1, 0)} arrived where {seq} was due")
+        if zlib.crc32(data) != fields.get(3, 0):
             raise TransferError(f"chunk {seq} failed its CRC-32 check")
-        end = offset + len(c.data)
+        end = offset + len(data)
         if end > want_bytes:
             raise TransferError("chunks carry more bytes than the header announced")
-        out[offset:end] = np.frombuffer(c.data, dtype=np.uint8)
+        out[offset:end] = np.frombuffer(data, dtype=np.uint8)
         offset = end
     if offset != want_bytes:
         raise TransferError(f"received {offset} of {want_bytes} bytes")

@@ -35,7 +35,7 @@ class PullKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_computed", "layout", "block_hashes", "num_blocks", "total_bytes", "num_chunks", "first_logprob", "chunk_bytes", "chunk_checksums", "checksum", "shm_name")
+    __slots__ = ("request_id", "token_ids", "num_computed", "layout", "block_hashes", "num_blocks", "total_bytes", "num_chunks", "first_logprob", "chunk_bytes", "chunk_checksums", "checksum", "shm_name", "finished_unix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class KVHeader(_message.Message):
     CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_UNIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed: int
@@ -62,7 +63,8 @@ class KVHeader(_message.Message):
     chunk_checksums: _containers.RepeatedScalarFieldContainer[int]
     checksum: str
     shm_name: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., first_logprob: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum: _Optional[str] = ..., shm_name: _Optional[str] = ...) -> None: ...
+    finished_unix: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., first_logprob: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum: _Optional[str] = ..., shm_name: _Optional[str] = ..., finished_unix: _Optional[float] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("seq", "data", "crc32")
@@ -81,6 +83,40 @@ class PullKVResponse(_message.Message):
     header: KVHeader
     chunk: KVChunk
     def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ...) -> None: ...
+
+class StreamKVRequest(_message.Message):
+    __slots__ = ("request_id", "layout")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    layout: KVLayout
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class KVLayerPiece(_message.Message):
+    __slots__ = ("seq", "layer", "token_start", "token_end", "data", "crc32")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    layer: int
+    token_start: int
+    token_end: int
+    data: bytes
+    crc32: int
+    def __init__(self, seq: _Optional[int] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class StreamKVResponse(_message.Message):
+    __slots__ = ("header", "piece", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: KVHeader
+    piece: KVLayerPiece
+    trailer: KVHeader
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., piece: _Optional[_Union[KVLayerPiece, _Mapping]] = ..., trailer: _Optional[_Union[KVHeader, _Mapping]] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -40,6 +40,11 @@ class KVTransferStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PullKVRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PullKVResponse.FromString,
                 _registered_method=True)
+        self.StreamKV = channel.unary_stream(
+                '/pdserve.v1.KVTransfer/StreamKV',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.StreamKVRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.StreamKVResponse.FromString,
+                _registered_method=True)
         self.ReleaseKV = channel.unary_unary(
                 '/pdserve.v1.KVTransfer/ReleaseKV',
                 request_serializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVRequest.SerializeToString,
@@ -59,6 +64,17 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamKV(self, request, context):
+        """Streams a request's KV layer by layer while it is being prefilled (registered by the
+        prefill replica before it names its KV address). NOT_FOUND if no such stream is open here,
+        FAILED_PRECONDITION on a layout mismatch or when the stream already has a receiver,
+        ABORTED if the prefill ended without KV to hand over (aborted, or finished at its first
+        token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseKV(self, request, context):
         """Frees a held request's blocks (they stay in the prefix cache). Idempotent.
         """
@@ -73,6 +89,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.PullKV,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PullKVRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PullKVResponse.SerializeToString,
+            ),
+            'StreamKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamKV,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.StreamKVRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.StreamKVResponse.SerializeToString,
             ),
             'ReleaseKV': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKV,
@@ -108,6 +129,33 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/PullKV',
             proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PullKVRequest.SerializeToString,
             proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PullKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/StreamKV',
+            proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.StreamKVRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.StreamKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
