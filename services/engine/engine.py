@@ -30,13 +30,14 @@ from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError, LayoutMismatchError, UnknownRequestError
 from services.engine.kv_cache import KVCache
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
+from services.engine.kv_stream import KVPiece, KVSink
 from services.engine.loader import LoadedModel, load_model
-from services.engine.model import LlamaModel
+from services.engine.model import LayerHook, LlamaModel
 from services.engine.model_runner import ModelRunner
 from services.engine.request import FinishReason, Request, RequestOutput, Status
 from services.engine.sampler import sample
 from services.engine.sampling_params import SamplingParams, check_prompt
-from services.engine.scheduler import Scheduler
+from services.engine.scheduler import ScheduledSpan, Scheduler
 from services.engine.stop import StopChecker
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -153,6 +154,7 @@ class Engine:
         *,
         prefill_only: bool = False,
         kv_handle: KVHandle | None = None,
+        kv_sink: KVSink | None = None,
     ) -> None:
         """Queue a request.
 
@@ -161,6 +163,9 @@ class Engine:
                 Forced on for role ``prefill``.
             kv_handle: continue a request prefilled elsewhere (roles ``decode`` and ``both``);
                 ``prompt_ids`` must equal the handle's prompt.
+            kv_sink: stream the KV layer by layer while it is computed (prefill-only
+                requests; see ``services.engine.kv_stream``). The request is still HELD
+                afterwards, so ``export_kv`` / ``release_kv`` work as without a sink.
         Raises:
             InvalidRequestError: naming the bad field; nothing is allocated.
             LayoutMismatchError: the handle's layout differs from this engine's.
@@ -181,9 +186,17 @@ class Engine:
                     "kv_handle", "a prefill-only engine does not accept KV handles"
                 )
             self._validate_handle(kv_handle, prompt)
+        if kv_sink is not None and not prefill_only:
+            raise InvalidRequestError("kv_sink", "only a prefill-only request streams its KV")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         req = Request(
-            request_id, prompt, params, seed, prefill_only=prefill_only, kv_import=kv_handle
+            request_id,
+            prompt,
+            params,
+            seed,
+            prefill_only=prefill_only,
+            kv_import=kv_handle,
+            kv_sink=kv_sink,
         )
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
@@ -218,6 +231,8 @@ class Engine:
         self.blocks.free(request_id)
         req.status = Status.FINISHED
         req.finish_reason = FinishReason.ABORT
+        if req.kv_sink is not None:
+            req.kv_sink.fail("the request was aborted")
         self._aborted.append(req)
         return True
 
@@ -226,21 +241,15 @@ class Engine:
         req = self._held(request_id)
         n_blocks = self.blocks.blocks_needed(req.num_computed)
         table = self.blocks.block_table(request_id)[:n_blocks]
-        return KVHandle(
-            request_id=request_id,
-            token_ids=tuple(req.token_ids),
-            num_computed=req.num_computed,
-            fingerprint=self.fingerprint,
-            block_hashes=tuple(req.block_hashes[: req.num_computed // self.config.block_size]),
-            blocks=self.cache.read_blocks(table),
-            first_logprob=req.logprobs[0] if req.logprobs else None,
-        )
+        return self._handle(req, self.cache.read_blocks(table))
 
-    def release_kv(self, request_id: str) -> None:
+    def release_kv(self, request_id: str, reason: str = "released") -> None:
         """Free a HELD request's blocks (full blocks stay in the prefix cache)."""
         req = self._held(request_id)
         self.blocks.free(request_id)
         req.status = Status.FINISHED
+        if req.kv_sink is not None:
+            req.kv_sink.fail(f"the KV hold ended: {reason}")
         del self._requests[request_id]
 
     # ---- the loop ------------------------------------------------------------------------
@@ -257,6 +266,8 @@ class Engine:
         self._expire_holds()
         sched = self.scheduler.schedule()
         self._num_preemptions += len(sched.preempted)
+        for req in sched.preempted:
+            req.stream_next = -1  # recomputed from scratch: the cached part is sent again
         for req, new_blocks, first in sched.imports:
             assert req.kv_import is not None
             handle = req.kv_import
@@ -278,7 +289,7 @@ class Engine:
                 self._prompt_tokens_computed += (
                     min(s.start + s.num_new, s.request.num_prompt) - s.start
                 )
-        logits = self.runner.run(sched.spans)
+        logits = self.runner.run(sched.spans, self._stream_hook(sched.spans))
         sampling = [s for s in sched.spans if s.samples]
         tokens, logprobs = sample(
             logits,
@@ -289,6 +300,7 @@ class Engine:
         bs = self.config.block_size
         for s in sched.spans:
             s.request.num_computed = s.start + s.num_new
+            s.request.stream_next = s.request.num_computed
             self.blocks.cache_blocks(
                 s.request.request_id, s.request.block_hashes[: s.request.num_computed // bs]
             )
@@ -340,6 +352,54 @@ class Engine:
         self.blocks.check_integrity()
 
     # ---- internals -----------------------------------------------------------------------
+    def _handle(self, req: Request, blocks: torch.Tensor) -> KVHandle:
+        return KVHandle(
+            request_id=req.request_id,
+            token_ids=tuple(req.token_ids),
+            num_computed=req.num_computed,
+            fingerprint=self.fingerprint,
+            block_hashes=tuple(req.block_hashes[: req.num_computed // self.config.block_size]),
+            blocks=blocks,
+            first_logprob=req.logprobs[0] if req.logprobs else None,
+        )
+
+    def _stream_hook(self, spans: Sequence[ScheduledSpan]) -> LayerHook | None:
+        """The layer hook of a step that has streaming requests (None: it has none). Sends
+        the cached positions before a span first, when the sink does not have them yet."""
+        rows: list[tuple[KVSink, int, int, int]] = []  # sink, first row, last row, position
+        row = 0
+        for s in spans:
+            sink = s.request.kv_sink
+            if sink is not None:
+                if s.start != s.request.stream_next:
+                    self._stream_cached(s.request, sink, s.start)
+                rows.append((sink, row, row + s.num_new, s.start))
+            row += s.num_new
+        if not rows:
+            return None
+
+        def hook(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            for sink, a, b, start in rows:
+                # NOTE: a copy (stack), taken before the next layer runs: the sender reads it
+                # from its own thread while the engine goes on
+                sink.put(KVPiece(layer, start, start + b - a, torch.stack((k[a:b], v[a:b]))))
+
+        return hook
+
+    def _stream_cached(self, req: Request, sink: KVSink, end: int) -> None:
+        """Positions [0, end) of every layer, read from the cache (prefix hits, recomputes)."""
+        if end == 0:
+            return
+        bs = self.config.block_size
+        table = self.blocks.block_table(req.request_id)
+        pos = torch.arange(end)
+        blocks = torch.tensor(table[: self.blocks.blocks_needed(end)], dtype=torch.long)
+        slots = (blocks[pos // bs] * bs + pos % bs).to(self.cache.k[0].device)
+        for layer in range(self.model_config.num_layers):
+            k, v = self.cache.flat(layer)  # [kv_heads, slots, head_dim]
+            data = torch.stack((k.index_select(1, slots), v.index_select(1, slots)))
+            sink.put(KVPiece(layer, 0, end, data.transpose(1, 2).contiguous()))
+
     def _validate_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
         need = self.blocks.blocks_needed(len(prompt) + params.max_tokens)
@@ -382,7 +442,7 @@ class Engine:
         now = time.perf_counter()
         for req in [r for r in self._requests.values() if r.status is Status.HELD]:
             if req.hold_deadline is not None and now > req.hold_deadline:
-                self.release_kv(req.request_id)
+                self.release_kv(req.request_id, "its lease expired")
                 self._num_hold_expiries += 1
 
     def _append_token(self, req: Request, token: int, logprob: float | None, now: float) -> None:
@@ -413,9 +473,13 @@ class Engine:
         if reason is FinishReason.PREFILLED:
             req.status = Status.HELD
             req.hold_deadline = time.perf_counter() + self.config.kv_hold_timeout_s
+            if req.kv_sink is not None:
+                req.kv_sink.finish(self._handle(req, torch.empty(0, dtype=self.cache.k[0].dtype)))
         else:
             req.status = Status.FINISHED
             self.blocks.free(req.request_id)
+            if req.kv_sink is not None:
+                req.kv_sink.fail(f"the request finished at its first token ({reason})")
 
     def _output(self, req: Request) -> RequestOutput:
         new_ids = req.token_ids[max(req.sent_tokens, req.num_prompt) :]

@@ -7,6 +7,7 @@ is the only part that looks at sequence boundaries (through ``AttentionMetadata`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,9 @@ from services.engine.config import ModelConfig
 from services.engine.errors import ModelLoadError
 from services.engine.kv_cache import KVCache
 from services.engine.rope import Rotary
+
+# (layer, keys, values) of the step's tokens, called once the layer's KV is in the cache
+LayerHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(slots=True)
@@ -191,8 +195,10 @@ class LlamaModel:
         meta: AttentionMetadata,
         attention: AttentionBackend,
         logits_idx: torch.Tensor,  # [num_sampled] rows whose next-token logits are needed
+        layer_hook: LayerHook | None = None,
     ) -> torch.Tensor:
-        """Returns fp32 logits [num_sampled, vocab]."""
+        """Returns fp32 logits [num_sampled, vocab]. ``layer_hook(i, k, v)`` runs right after
+        layer i's keys and values ([num_tokens, kv_heads, head_dim]) are in the cache."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         n = input_ids.shape[0]
@@ -205,7 +211,10 @@ class LlamaModel:
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q = self.rotary.apply(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
             k = self.rotary.apply(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            cache.write(i, k, v.view(n, cfg.num_kv_heads, cfg.head_dim), meta.slot_mapping)
+            v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+            cache.write(i, k, v, meta.slot_mapping)
+            if layer_hook is not None:
+                layer_hook(i, k, v)
             o = attention.forward(q, cache, i, meta).reshape(n, self.q_size)
             x = x + lw.o(o)
             h = rms_norm(x, lw.mlp_norm, eps)

@@ -9,7 +9,7 @@ import torch
 from services.engine.attention import AttentionBackend, SeqSpan, build_metadata
 from services.engine.block_manager import BlockManager
 from services.engine.kv_cache import KVCache
-from services.engine.model import LlamaModel
+from services.engine.model import LayerHook, LlamaModel
 from services.engine.scheduler import ScheduledSpan
 
 
@@ -28,7 +28,9 @@ class ModelRunner:
         self.attention = attention
         self.device = device
 
-    def run(self, spans: Sequence[ScheduledSpan]) -> torch.Tensor:
+    def run(
+        self, spans: Sequence[ScheduledSpan], layer_hook: LayerHook | None = None
+    ) -> torch.Tensor:
         """Computes KV for every span; returns fp32 logits [num sampling spans, vocab] in span order."""
         ids: list[int] = []
         positions: list[int] = []
@@ -54,4 +56,5 @@ class ModelRunner:
             meta,
             self.attention,
             torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            layer_hook,
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from services.engine.block_hash import BlockHash
 from services.engine.kv_handle import KVHandle
+from services.engine.kv_stream import KVSink
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import IncrementalDetokenizer
 
@@ -62,6 +63,8 @@ class Request:
     seed: int
     prefill_only: bool = False
     kv_import: KVHandle | None = None
+    kv_sink: KVSink | None = None  # layer-wise streaming of a prefill-only request's KV
+    stream_next: int = 0  # positions [0, stream_next) of every layer are in the sink
     status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0

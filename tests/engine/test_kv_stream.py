@@ -1,0 +1,137 @@
+"""Layer-wise KV streaming: the pieces a prefill emits, applied in order, equal ``export_kv``
+bit for bit: cold, with prefix hits, chunked, preempted; a request that ends without KV fails
+its sink."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.engine.errors import InvalidRequestError
+from services.engine.kv_handle import KVHandle
+from services.engine.kv_stream import KVPiece
+from services.engine.request import FinishReason
+from services.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+class Assembler:
+    """A sink that rebuilds the block tensor the way a receiver does."""
+
+    def __init__(self) -> None:
+        self.pieces: list[KVPiece] = []
+        self.final: KVHandle | None = None
+        self.failed: str | None = None
+
+    def put(self, piece: KVPiece) -> None:
+        assert self.final is None and self.failed is None, "a piece after the end"
+        self.pieces.append(piece)
+
+    def finish(self, handle: KVHandle) -> None:
+        self.final = handle
+
+    def fail(self, reason: str) -> None:
+        self.failed = self.failed or reason
+
+    def blocks(self, like: torch.Tensor) -> torch.Tensor:
+        layers, _, n_blocks, bs, heads, dim = like.shape
+        out = torch.full((layers, 2, n_blocks * bs, heads, dim), float("nan"), dtype=like.dtype)
+        for p in self.pieces:
+            out[p.layer, :, p.token_start : p.token_end] = p.data
+        assert self.final is not None
+        n = self.final.num_computed
+        assert not out[:, :, :n].isnan().any(), "positions never streamed"
+        return out.view(layers, 2, n_blocks, bs, heads, dim)
+
+
+def _prefill(eng, rid, prompt, sink, params=GREEDY):
+    eng.add_request(rid, prompt, params, prefill_only=True, kv_sink=sink)
+    outs = []
+    while eng.has_unfinished:
+        outs += eng.step()
+    return [o for o in outs if o.request_id == rid][-1]
+
+
+def _check(eng, rid, sink):
+    want = eng.export_kv(rid)
+    got = sink.blocks(want.blocks)
+    n = want.num_computed
+    flat = want.blocks.flatten(2, 3)[:, :, :n]
+    assert torch.equal(got.flatten(2, 3)[:, :, :n], flat)
+    assert sink.final.token_ids == want.token_ids and sink.final.block_hashes == want.block_hashes
+    eng.release_kv(rid)
+    assert sink.failed is not None  # the hold ended after finish: a sink drops what is unsent
+
+
+@pytest.mark.parametrize("prompt_len,chunk", [(1, 256), (13, 256), (40, 256), (40, 12)])
+def test_pieces_rebuild_the_exported_kv(make_engine, prompt_len, chunk):
+    eng = make_engine(role="prefill", max_num_batched_tokens=chunk)
+    prompt = [random.Random(prompt_len).randrange(3, 256) for _ in range(prompt_len)]
+    sink = Assembler()
+    out = _prefill(eng, "r", prompt, sink)
+    assert out.finish_reason is FinishReason.PREFILLED
+    layers = eng.model_config.num_layers
+    steps = -(-prompt_len // chunk)
+    assert len(sink.pieces) == layers * steps  # one piece per layer per step, nothing else
+    _check(eng, "r", sink)
+
+
+def test_a_prefix_hit_is_sent_from_the_cache(make_engine):
+    eng = make_engine(role="prefill")
+    prompt = list(range(3, 3 + 30))
+    first = Assembler()
+    _prefill(eng, "a", prompt, first)
+    _check(eng, "a", first)
+    sink = Assembler()
+    out = _prefill(eng, "b", prompt + [7, 8], sink)
+    assert out.num_cached_tokens == 28  # 7 full blocks of 4 reused
+    cached = [p for p in sink.pieces if p.token_start == 0]
+    assert len(cached) == eng.model_config.num_layers and cached[0].token_end == 28
+    _check(eng, "b", sink)
+
+
+def test_a_preempted_prefill_still_streams_exact_kv(make_engine):
+    # decoding requests grow into a small cache and push the streaming prefills out
+    eng = make_engine(num_kv_blocks=24, max_num_batched_tokens=8)
+    rng = random.Random(3)
+    for i in range(3):
+        prompt = [rng.randrange(3, 256) for _ in range(10)]
+        eng.add_request(f"d{i}", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+    for _ in range(10):
+        eng.step()
+    prompts = [[rng.randrange(3, 256) for _ in range(30)] for _ in range(3)]
+    sinks = [Assembler() for _ in prompts]
+    for i, (p, s) in enumerate(zip(prompts, sinks)):
+        eng.add_request(f"s{i}", p, GREEDY, prefill_only=True, kv_sink=s)
+    preempted = set()
+    while eng.has_unfinished:
+        for r in eng.scheduler.running:
+            if r.num_preemptions and r.kv_sink is not None:
+                preempted.add(r.request_id)
+        for o in eng.step():
+            if o.finished and o.request_id.startswith("s"):
+                _check(eng, o.request_id, sinks[int(o.request_id[1:])])
+    assert preempted, "no streaming prefill was preempted; the test proves nothing"
+    for s in sinks:
+        assert s.final is not None
+
+
+def test_a_request_that_ends_without_kv_fails_its_sink(make_engine):
+    eng = make_engine(role="prefill")
+    prompt = list(range(3, 20))
+    (solo,) = make_engine().generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    stop = Assembler()  # its first token is a stop token: nothing to hand over
+    params = SamplingParams(max_tokens=4, temperature=0, stop_token_ids=(solo[0],))
+    out = _prefill(eng, "s", prompt, stop, params)
+    assert out.finish_reason is FinishReason.STOP and stop.final is None
+    assert "first token" in stop.failed
+    aborted = Assembler()
+    eng.add_request("x", prompt, GREEDY, prefill_only=True, kv_sink=aborted)
+    eng.abort("x")
+    eng.step()
+    assert aborted.failed == "the request was aborted"
+    with pytest.raises(InvalidRequestError, match="kv_sink"):
+        make_engine().add_request("y", prompt, GREEDY, kv_sink=Assembler())
