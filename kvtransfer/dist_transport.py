@@ -399,6 +399,10 @@ def _stop_all() -> None:
 
 
 class DistTransport:
+    # NOTE: whole pulls only for now: a layer-wise stream would need a control message per
+    # piece through the store; the prefill/decode flow uses ``pull`` with this transport.
+    streaming = False
+
     def __init__(self, backend: str) -> None:
         self.name = backend
         self.backend = backend

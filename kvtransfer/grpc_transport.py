@@ -7,10 +7,16 @@ Lifecycle of one transfer:
 3. The client verifies every chunk (``wire.decode``) and returns the handle, or raises.
 4. The decode side calls ``ReleaseKV`` once the blocks are placed (or it gave up); the
    prefill side's hold timeout frees them if that never comes.
+
+Layer-wise (``StreamKV``): the prefill replica opens a stream before it names its address; the
+decode side calls ``StreamKV`` at once and gets a header (what to allocate), pieces (one layer,
+a run of positions, CRC-32'd) while the prefill runs, and a trailer (the first token, the count
+of pieces) when it ends; then ``ReleaseKV`` as above.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
@@ -18,6 +24,7 @@ from typing import Any
 import grpc
 
 from kvtransfer import shm, wire
+from kvtransfer.stream import StreamBusyError, StreamFailedError
 from kvtransfer.transport import KVSource
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
@@ -78,6 +85,44 @@ class _Servicer:
             return raw
         return self.hook(kind.FromString(raw)).SerializeToString()  # type: ignore[attr-defined]
 
+    def StreamKV(
+        self, request: pb.StreamKVRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        open_stream = getattr(self.source, "stream", None)
+        stream = open_stream(request.request_id) if open_stream is not None else None
+        if stream is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no KV stream open for request {request.request_id!r}"
+            )
+        try:
+            wire.check_layout(stream.fingerprint, wire.layout_from_proto(request.layout))
+        except LayoutMismatchError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        try:
+            stream.attach()
+        except StreamBusyError as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        yield self._hooked(
+            wire.stream_header(stream.request_id, stream.fingerprint, stream.num_tokens),
+            pb.StreamKVResponse,
+        )
+        left = context.time_remaining()
+        deadline = time.monotonic() + (left if left is not None else 3600.0)
+        seq = 0
+        try:
+            for item in stream.events(deadline, context.is_active):
+                if isinstance(item, KVHandle):
+                    trailer = wire.stream_trailer(item, seq, stream.finished_unix)
+                    yield self._hooked(trailer, pb.StreamKVResponse)
+                    return
+                for frame in wire.piece_frames(item, seq, self.chunk_bytes):
+                    yield self._hooked(frame, pb.StreamKVResponse)
+                    seq += 1
+        except StreamFailedError as e:
+            context.abort(grpc.StatusCode.ABORTED, str(e))
+        except TimeoutError as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+
     def ReleaseKV(
         self, request: pb.ReleaseKVRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseKVResponse:
@@ -118,6 +163,9 @@ class GrpcKVServer:
         handlers = {
             "PullKV": grpc.unary_stream_rpc_method_handler(
                 servicer.PullKV, pb.PullKVRequest.FromString, wire.serialize
+            ),
+            "StreamKV": grpc.unary_stream_rpc_method_handler(
+                servicer.StreamKV, pb.StreamKVRequest.FromString, wire.serialize
             ),
             "ReleaseKV": grpc.unary_unary_rpc_method_handler(
                 servicer.ReleaseKV,
@@ -176,6 +224,20 @@ class GrpcKVClient:
         except grpc.RpcError as e:
             raise _map_error(e, address) from None
 
+    def pull_stream(
+        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+    ) -> tuple[KVHandle, float]:
+        """Receive a request's KV layer by layer while it is prefilled; returns the handle
+        and the sender's ``finished_unix``. Raises as ``pull`` does."""
+        req = pb.StreamKVRequest(request_id=request_id, layout=wire.layout_to_proto(layout))
+        try:
+            call = self._channel(address).unary_stream(
+                f"/{_SERVICE}/StreamKV", pb.StreamKVRequest.SerializeToString, None
+            )
+            return wire.decode_stream(call(req, timeout=timeout_s), layout)
+        except grpc.RpcError as e:
+            raise _map_error(e, address) from None
+
     def release(self, address: str, request_id: str, timeout_s: float) -> None:
         try:
             release = self._channel(address).unary_unary(
@@ -199,6 +261,8 @@ def _map_error(e: grpc.RpcError, address: str) -> Exception:
         return UnknownRequestError(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return LayoutMismatchError(details)
+    if code == grpc.StatusCode.ABORTED:
+        return StreamFailedError(details)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(f"KV transfer from {address} passed its deadline")
     return wire.TransferError(f"KV transfer from {address} failed: {code.name}: {details}")
@@ -206,7 +270,10 @@ def _map_error(e: grpc.RpcError, address: str) -> Exception:
 
 class GrpcTransport:
     """``grpc``: streamed chunks. ``shm`` (``shared_memory=True``): the same, except that a
-    receiver sharing the sender's /dev/shm gets the payload through a shared segment."""
+    receiver sharing the sender's /dev/shm gets a whole payload through a shared segment
+    (layer-wise streams travel as gRPC messages with either)."""
+
+    streaming = True  # layer-wise streams (StreamKV)
 
     def __init__(self, shared_memory: bool = False) -> None:
         self.shared_memory = shared_memory

@@ -1,17 +1,19 @@
-"""``KVSource`` over an engine's HELD (prefill-only, finished) requests."""
+"""``KVSource`` over an engine's HELD (prefill-only, finished) requests and its open
+layer-wise streams."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
+from kvtransfer.stream import KVStream
 from services.engine.engine import Engine
 from services.engine.errors import UnknownRequestError
 from services.engine.kv_handle import KVHandle
 
 
 class EngineKVSource:
-    """Serves ``engine.export_kv`` / ``engine.release_kv``.
+    """Serves ``engine.export_kv`` / ``engine.release_kv``, and the streams ``open_stream``
+    made (the engine fills them; see ``kvtransfer.stream``).
 
     Args:
         lock: the lock that also guards the engine's step loop (the engine is single-threaded;
@@ -21,6 +23,8 @@ class EngineKVSource:
     def __init__(self, engine: Engine, lock: threading.Lock) -> None:
         self.engine = engine
         self.lock = lock
+        self._streams: dict[str, KVStream] = {}
+        self._streams_lock = threading.Lock()  # NOTE: never the engine lock: no step waits
 
     def get(self, request_id: str) -> KVHandle | None:
         with self.lock:
@@ -30,6 +34,32 @@ class EngineKVSource:
                 return None
 
     def release(self, request_id: str) -> None:
-        # already released or expired: release is idempotent
-        with self.lock, contextlib.suppress(UnknownRequestError):
-            self.engine.release_kv(request_id)
+        # already released or expired: release is idempotent; still computing (a streaming
+        # receiver gave up): freed as soon as its prefill ends
+        with self.lock:
+            self.engine.drop_kv(request_id)
+        stream = self.stream(request_id)
+        if stream is not None:
+            stream.fail("the receiver released it")
+
+    def open_stream(self, request_id: str, num_tokens: int) -> KVStream:
+        """A stream for a request about to be added with it as its ``kv_sink``."""
+
+        def close() -> None:
+            with self._streams_lock:
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+
+        stream = KVStream(request_id, self.engine.fingerprint, num_tokens, close)
+        with self._streams_lock:
+            self._streams[request_id] = stream
+        return stream
+
+    def stream(self, request_id: str) -> KVStream | None:
+        with self._streams_lock:
+            return self._streams.get(request_id)
+
+    @property
+    def num_streams(self) -> int:
+        with self._streams_lock:
+            return len(self._streams)

@@ -52,8 +52,22 @@ class KVClient(Protocol):
     def close(self) -> None: ...
 
 
+class StreamingKVClient(KVClient, Protocol):
+    """A client of a transport whose ``streaming`` is True."""
+
+    def pull_stream(
+        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+    ) -> tuple[KVHandle, float]:
+        """Receive a request's KV layer by layer while the sender prefills it (the sender
+        opened the stream first); returns the handle and when the sender finished computing
+        it (Unix seconds). Raises as ``pull`` does; ``kvtransfer.stream.StreamFailedError``
+        (a TransferError) when the prefill ended without KV to hand over."""
+        ...
+
+
 class Transport(Protocol):
     name: str
+    streaming: bool  # the server serves layer-wise streams, the client has ``pull_stream``
 
     def serve(self, source: KVSource, host: str, port: int, **options: Any) -> KVServer: ...
 

@@ -16,6 +16,7 @@ import torch
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
+from services.engine.kv_stream import KVPiece
 
 DEFAULT_CHUNK_BYTES = 512 << 10
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,14 +48,16 @@ def check_layout(got: LayoutFingerprint, want: LayoutFingerprint) -> None:
         raise LayoutMismatchError(f"KV layout mismatch: {got.describe_mismatch(want)}")
 
 
-def _header(handle: KVHandle, total: int, n_chunks: int) -> pb.KVHeader:
+def _header(
+    handle: KVHandle, total: int, n_chunks: int, num_blocks: int | None = None
+) -> pb.KVHeader:
     header = pb.KVHeader(
         request_id=handle.request_id,
         token_ids=handle.token_ids,
         num_computed=handle.num_computed,
         layout=layout_to_proto(handle.fingerprint),
         block_hashes=handle.block_hashes,
-        num_blocks=handle.num_blocks,
+        num_blocks=handle.num_blocks if num_blocks is None else num_blocks,
         total_bytes=total,
         num_chunks=n_chunks,
     )
@@ -286,3 +289,108 @@ def decode(messages: Iterable[bytes], expected: LayoutFingerprint) -> KVHandle:
     if offset != want_bytes:
         raise TransferError(f"received {offset} of {want_bytes} bytes")
     return handle_from(h, buf, expected)
+
+
+# ---- layer-wise streams (StreamKV) -----------------------------------------------------------
+def stream_header(request_id: str, fp: LayoutFingerprint, num_tokens: int) -> bytes:
+    """The first ``StreamKVResponse``: what the receiver allocates for."""
+    n_blocks = -(-num_tokens // fp.block_size)
+    h = pb.KVHeader(
+        request_id=request_id,
+        num_computed=num_tokens,
+        layout=layout_to_proto(fp),
+        num_blocks=n_blocks,
+    )
+    return pb.StreamKVResponse(header=h).SerializeToString()
+
+
+def piece_frames(piece: KVPiece, first_seq: int, max_bytes: int) -> list[bytes]:
+    """``StreamKVResponse.piece`` frames of one layer piece, split by position so that none
+    carries more than ``max_bytes`` (a long prompt's layer can exceed gRPC's message limit)."""
+    data = piece.data.contiguous()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    n = piece.token_end - piece.token_start
+    per_token = data.numel() * data.element_size() // max(1, n)
+    step = max(1, (max_bytes or DEFAULT_CHUNK_BYTES) // max(1, per_token))
+    frames = []
+    for seq, a in enumerate(range(0, n, step), first_seq):
+        b = min(n, a + step)
+        part = data[:, a:b].contiguous().view(torch.uint8)
+        frames.append(
+            # StreamKVResponse.piece = 2 {seq, layer, token_start, token_end, data = 5, crc32 = 6}
+            data_frame(
+                2,
+                (
+                    (1, seq),
+                    (2, piece.layer),
+                    (3, piece.token_start + a),
+                    (4, piece.token_start + b),
+                ),
+                5,
+                memoryview(part.numpy()).cast("B"),
+                6,
+            )
+        )
+    return frames
+
+
+def stream_trailer(handle: KVHandle, num_pieces: int, finished_unix: float) -> bytes:
+    h = _header(handle, 0, num_pieces, -(-handle.num_computed // handle.fingerprint.block_size))
+    h.finished_unix = finished_unix
+    return pb.StreamKVResponse(trailer=h).SerializeToString()
+
+
+def decode_stream(messages: Iterable[bytes], expected: LayoutFingerprint) -> tuple[KVHandle, float]:
+    """Rebuild a handle from a ``StreamKV`` stream; returns it and the sender's
+    ``finished_unix``. Every position of every layer must have arrived, each piece must pass
+    its CRC-32 and arrive in sequence; else TransferError (LayoutMismatchError on a layout)."""
+    it = iter(messages)
+    raw = next(it, None)
+    first = pb.StreamKVResponse.FromString(raw) if raw is not None else None
+    if first is None or first.WhichOneof("msg") != "header":
+        raise TransferError("stream did not start with a header")
+    h = first.header
+    check_layout(layout_from_proto(h.layout), expected)
+    fp = expected
+    if fp.dtype not in DTYPES:
+        raise TransferError(f"unknown dtype {fp.dtype!r}")
+    n_tokens, n_blocks = h.num_computed, h.num_blocks
+    if n_blocks != -(-n_tokens // fp.block_size):
+        raise TransferError(f"header says {n_blocks} blocks for {n_tokens} tokens")
+    esize = torch.empty((), dtype=DTYPES[fp.dtype]).element_size()
+    row = fp.num_kv_heads * fp.head_dim * esize  # bytes of one position of k (or v)
+    slots = n_blocks * fp.block_size
+    buf = torch.empty(fp.num_layers * 2 * slots * row, dtype=torch.uint8)
+    out = buf.numpy().reshape(fp.num_layers, 2, slots, row)
+    out[:, :, n_tokens:] = 0  # the last block's unused tail: defined, never read as context
+    covered = np.zeros((fp.num_layers, n_tokens), dtype=bool)
+    seq = 0
+    for raw in it:
+        frame = read_data_frame(raw, 2)
+        if frame is None:
+            msg = pb.StreamKVResponse.FromString(raw)
+            if msg.WhichOneof("msg") != "trailer":
+                raise TransferError("a second header in the stream")
+            t = msg.trailer
+            if t.num_chunks != seq:
+                raise TransferError(f"trailer counts {t.num_chunks} pieces, {seq} arrived")
+            if t.num_computed != n_tokens or t.num_blocks != n_blocks:
+                raise TransferError("trailer and header disagree on the KV's size")
+            if not covered.all():
+                layer = int(np.argmin(covered.all(axis=1)))
+                raise TransferError(f"layer {layer} is missing positions")
+            t.total_bytes = buf.numel()
+            return handle_from(t, buf, expected), t.finished_unix
+        f, data = frame
+        if f.get(1, 0) != seq:
+            raise TransferError(f"piece {f.get(1, 0)} arrived where {seq} was due")
+        if zlib.crc32(data) != f.get(6, 0):
+            raise TransferError(f"piece {seq} failed its CRC-32 check")
+        layer, a, b = f.get(2, 0), f.get(3, 0), f.get(4, 0)
+        if layer >= fp.num_layers or not a < b <= n_tokens or len(data) != 2 * (b - a) * row:
+            raise TransferError(f"piece {seq} (layer {layer}, positions {a}:{b}) does not fit")
+        out[layer, :, a:b] = np.frombuffer(data, dtype=np.uint8).reshape(2, b - a, row)
+        covered[layer, a:b] = True
+        seq += 1
+    raise TransferError(f"stream ended after {seq} pieces, without its trailer")

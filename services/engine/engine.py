@@ -252,6 +252,18 @@ class Engine:
             req.kv_sink.fail(f"the KV hold ended: {reason}")
         del self._requests[request_id]
 
+    def drop_kv(self, request_id: str) -> None:
+        """Nobody will take this prefill-only request's KV (its streaming receiver gave up):
+        free it now if HELD, else as soon as its prefill ends (the first token still comes).
+        Unknown or finished requests are ignored."""
+        req = self._requests.get(request_id)
+        if req is None or not req.prefill_only:
+            return
+        if req.status is Status.HELD:
+            self.release_kv(request_id, "the receiver gave up")
+        elif not req.finished:
+            req.kv_unwanted = True
+
     # ---- the loop ------------------------------------------------------------------------
     @property
     def has_unfinished(self) -> bool:
@@ -470,7 +482,12 @@ class Engine:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
         self.scheduler.remove(req)
-        if reason is FinishReason.PREFILLED:
+        if reason is FinishReason.PREFILLED and req.kv_unwanted:
+            req.status = Status.FINISHED
+            self.blocks.free(req.request_id)
+            if req.kv_sink is not None:
+                req.kv_sink.fail("the receiver gave up")
+        elif reason is FinishReason.PREFILLED:
             req.status = Status.HELD
             req.hold_deadline = time.perf_counter() + self.config.kv_hold_timeout_s
             if req.kv_sink is not None:

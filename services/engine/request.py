@@ -65,6 +65,7 @@ class Request:
     kv_import: KVHandle | None = None
     kv_sink: KVSink | None = None  # layer-wise streaming of a prefill-only request's KV
     stream_next: int = 0  # positions [0, stream_next) of every layer are in the sink
+    kv_unwanted: bool = False  # prefill-only: free instead of holding when the prefill ends
     status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0

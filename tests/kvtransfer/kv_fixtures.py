@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 
 import torch
 
+from kvtransfer.stream import KVStream
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
+from services.engine.kv_stream import KVPiece
 
 
 class DictSource:
@@ -16,6 +20,7 @@ class DictSource:
         self.handles = handles
         self.released: list[str] = []
         self.delay_s = delay_s
+        self.streams: dict[str, KVStream] = {}  # layer-wise streams (``streaming`` transports)
 
     def get(self, request_id: str) -> KVHandle | None:
         time.sleep(self.delay_s)
@@ -24,6 +29,54 @@ class DictSource:
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
         self.handles.pop(request_id, None)
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.fail("released")
+
+    def stream(self, request_id: str) -> KVStream | None:
+        return self.streams.get(request_id)
+
+    def open_stream(self, h: KVHandle) -> KVStream:
+        stream = KVStream(h.request_id, h.fingerprint, h.num_computed)
+        self.streams[h.request_id] = stream
+        return stream
+
+
+def feed(
+    stream: KVStream, h: KVHandle, chunks: int = 2, delay_s: float = 0.0, fail_at: int = -1
+) -> threading.Thread:
+    """Put ``h``'s KV into ``stream`` as a chunked prefill would (per chunk of positions,
+    layer by layer, ``delay_s`` per layer), then finish it (or fail it at layer ``fail_at``)."""
+    layers = h.blocks.shape[0]
+    flat = h.blocks.flatten(2, 3)  # [layers, 2, positions, heads, dim]
+    n = h.num_computed
+    bounds = [n * i // chunks for i in range(chunks + 1)]
+
+    def run() -> None:
+        step = 0
+        for a, b in itertools.pairwise(bounds):
+            for layer in range(layers):
+                if step == fail_at:
+                    stream.fail("the request was aborted")
+                    return
+                time.sleep(delay_s)
+                stream.put(KVPiece(layer, a, b, flat[layer, :, a:b].contiguous()))
+                step += 1
+        stream.finish(
+            KVHandle(
+                h.request_id,
+                h.token_ids,
+                n,
+                h.fingerprint,
+                h.block_hashes,
+                torch.empty(0),
+                h.first_logprob,
+            )
+        )
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
 
 
 def random_handle(

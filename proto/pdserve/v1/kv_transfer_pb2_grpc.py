@@ -67,8 +67,8 @@ class KVTransferServicer:
     def StreamKV(self, request, context):
         """Streams a request's KV layer by layer while it is being prefilled (registered by the
         prefill replica before it names its KV address). NOT_FOUND if no such stream is open here,
-        FAILED_PRECONDITION on a layout mismatch or when the stream already has a receiver,
-        ABORTED if the prefill ended without KV to hand over (aborted, or finished at its first
+        FAILED_PRECONDITION on a layout mismatch, ALREADY_EXISTS when the stream already has a
+        receiver, ABORTED if the prefill ended without KV to hand over (aborted, or finished at its first
         token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

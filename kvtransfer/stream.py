@@ -1,0 +1,117 @@
+"""A layer-wise KV stream between a prefill engine (the producer) and one transport receiver.
+
+The engine puts pieces from its loop thread under its lock (``KVSink``: never waits); a
+transport server thread takes them out (``events``) and sends them. Pieces are dropped once
+taken, so memory is bounded by what the receiver has not read yet (at most one copy of the
+request's KV, when the receiver attaches late).
+
+Lifecycle: open (registered by the prefill replica before it names its KV address) ->
+attached (one receiver; a second is refused) -> finished (the final handle is queued after
+the last piece) -> closed by ``fail`` (aborted, finished at the first token, released, lease
+expired), which also unregisters the stream (``on_close``). Every path ends in ``fail``: the
+engine fails the sink when the hold ends, so a stream nobody came for does not outlive the
+request's KV lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from kvtransfer.wire import TransferError
+from services.engine.kv_handle import KVHandle, LayoutFingerprint
+from services.engine.kv_stream import KVPiece
+
+
+class StreamFailedError(TransferError):
+    """The stream ended without the final handle (the prefill was aborted, finished at its
+    first token, or its KV hold ended before everything was sent)."""
+
+
+class StreamBusyError(Exception):
+    """The stream already has a receiver."""
+
+
+class KVStream:
+    """Args:
+    num_tokens: positions whose KV the stream will carry (the prompt length).
+    on_close: called once, when the stream closes (unregisters it).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        fingerprint: LayoutFingerprint,
+        num_tokens: int,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.fingerprint = fingerprint
+        self.num_tokens = num_tokens
+        self.finished_unix = 0.0  # when the final handle came (time.time)
+        self._on_close = on_close
+        self._cond = threading.Condition()
+        self._items: deque[KVPiece | KVHandle] = deque()
+        self._finished = False
+        self._failed: str | None = None
+        self._attached = False
+
+    # ---- the engine's side (KVSink) ------------------------------------------------------
+    def put(self, piece: KVPiece) -> None:
+        with self._cond:
+            if self._failed is None and not self._finished:
+                self._items.append(piece)
+                self._cond.notify_all()
+
+    def finish(self, handle: KVHandle) -> None:
+        with self._cond:
+            if self._failed is None and not self._finished:
+                self._finished = True
+                self.finished_unix = time.time()
+                self._items.append(handle)
+                self._cond.notify_all()
+
+    def fail(self, reason: str) -> None:
+        with self._cond:
+            if self._failed is not None:
+                return
+            self._failed = reason
+            self._items.clear()
+            self._cond.notify_all()
+        if self._on_close is not None:
+            self._on_close()
+
+    # ---- the receiver's side --------------------------------------------------------------
+    def attach(self) -> None:
+        with self._cond:
+            if self._attached:
+                raise StreamBusyError(f"the KV stream of {self.request_id!r} has a receiver")
+            self._attached = True
+
+    def events(
+        self, deadline: float, alive: Callable[[], bool] = lambda: True
+    ) -> Iterator[KVPiece | KVHandle]:
+        """Pieces in order, then the final handle. ``deadline`` is ``time.monotonic()``;
+        ``alive`` is polled while waiting (False: the receiver went away, stop quietly).
+
+        Raises:
+            StreamFailedError: the stream closed before the final handle.
+            TimeoutError: the deadline passed first.
+        """
+        while True:
+            with self._cond:
+                while not self._items and self._failed is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"the KV stream of {self.request_id!r} timed out")
+                    if not alive():
+                        return
+                    self._cond.wait(min(left, 0.25))
+                if not self._items:
+                    raise StreamFailedError(str(self._failed))
+                item = self._items.popleft()
+            yield item
+            if isinstance(item, KVHandle):
+                return

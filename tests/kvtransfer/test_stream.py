@@ -1,0 +1,176 @@
+"""The layer-wise stream contract (transports with ``streaming``: grpc, shm): a stream fed
+while the receiver reads gives byte-exact KV, and ends the moment the sender finishes; a
+corrupted piece, a failed prefill, a stalled or stopped sender, a wrong layout, an unknown
+request and a second receiver all fail cleanly."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtransfer.stream import StreamFailedError
+from kvtransfer.transport import get_transport
+from kvtransfer.wire import TransferError
+from proto.pdserve.v1 import kv_transfer_pb2 as pb
+from services.engine.errors import LayoutMismatchError, UnknownRequestError
+from tests.kvtransfer.kv_fixtures import DictSource, feed, random_handle
+
+LAYOUTS = [
+    dict(),
+    dict(layers=30, kv_heads=3, head_dim=64, block_size=16, n_blocks=9),  # SmolLM2's layout
+    dict(dtype="bfloat16", n_blocks=33),
+    dict(dtype="float16", n_blocks=1, block_size=1),
+]
+
+
+@pytest.fixture(params=["grpc", "shm"])
+def transport(request):
+    t = get_transport(request.param)
+    assert t.streaming
+    client = t.client()
+    yield t, client
+    client.close()
+
+
+def _same_kv(got, h) -> bool:
+    n = h.num_computed
+    return torch.equal(got.blocks.flatten(2, 3)[:, :, :n], h.blocks.flatten(2, 3)[:, :, :n])
+
+
+def _pull_in_thread(client, address, rid, fp, timeout_s=20.0):
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = client.pull_stream(address, rid, fp, timeout_s)
+        except Exception as e:
+            box["error"] = e
+        box["at"] = time.time()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, box
+
+
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+def test_streamed_kv_is_byte_exact_and_arrives_as_the_sender_finishes(transport, layout):
+    t, client = transport
+    h = random_handle(**LAYOUTS[layout])
+    src = DictSource({})
+    # a piece is at most 512 bytes here: long layers are split into several frames
+    server = t.serve(src, "127.0.0.1", 0, chunk_bytes=512)
+    try:
+        stream = src.open_stream(h)
+        th, box = _pull_in_thread(client, server.address, h.request_id, h.fingerprint)
+        time.sleep(0.2)  # the receiver is waiting before the first layer exists
+        feed(stream, h, chunks=3, delay_s=0.01).join()
+        th.join(20)
+        got, finished_unix = box["result"]
+        client.release(server.address, h.request_id, 5)
+    finally:
+        server.stop()
+    n = h.num_computed  # the last block's unused tail is not KV: it arrives as zeros
+    assert torch.equal(got.blocks.flatten(2, 3)[:, :, :n], h.blocks.flatten(2, 3)[:, :, :n])
+    assert not got.blocks.flatten(2, 3)[:, :, n:].any()
+    assert dataclasses.replace(got, blocks=h.blocks) == h
+    assert 0 <= box["at"] - finished_unix < 2.0  # what is left after the last layer is small
+    assert src.released == [h.request_id] and not src.streams
+
+
+def test_a_receiver_that_comes_late_gets_everything(transport):
+    t, client = transport
+    h = random_handle(n_blocks=7)
+    src = DictSource({})
+    server = t.serve(src, "127.0.0.1", 0)
+    try:
+        feed(src.open_stream(h), h, chunks=2).join()  # all done before anyone asked
+        got, _ = client.pull_stream(server.address, h.request_id, h.fingerprint, 10)
+    finally:
+        server.stop()
+    assert _same_kv(got, h)
+
+
+def test_a_corrupted_piece_is_detected(transport):
+    t, client = transport
+    h = random_handle(n_blocks=8)
+
+    def damage(msg: pb.StreamKVResponse) -> pb.StreamKVResponse:
+        if msg.WhichOneof("msg") == "piece" and msg.piece.seq == 2:
+            data = bytearray(msg.piece.data)
+            data[3] ^= 0x10
+            msg.piece.data = bytes(data)
+        return msg
+
+    src = DictSource({})
+    server = t.serve(src, "127.0.0.1", 0, message_hook=damage)
+    try:
+        feed(src.open_stream(h), h).join()
+        with pytest.raises(TransferError, match="piece 2 failed its CRC-32"):
+            client.pull_stream(server.address, h.request_id, h.fingerprint, 10)
+    finally:
+        server.stop()
+
+
+def test_a_prefill_that_ends_without_kv_fails_the_stream(transport):
+    t, client = transport
+    h = random_handle(n_blocks=8)
+    src = DictSource({})
+    server = t.serve(src, "127.0.0.1", 0)
+    try:
+        stream = src.open_stream(h)
+        th, box = _pull_in_thread(client, server.address, h.request_id, h.fingerprint)
+        feed(stream, h, delay_s=0.01, fail_at=4).join()
+        th.join(10)
+    finally:
+        server.stop()
+    assert isinstance(box["error"], StreamFailedError)
+    assert "aborted" in str(box["error"])
+
+
+def test_a_stalled_sender_hits_the_deadline_and_a_stopped_one_fails(transport):
+    t, client = transport
+    h = random_handle(n_blocks=8)
+    src = DictSource({})
+    server = t.serve(src, "127.0.0.1", 0)
+    try:
+        src.open_stream(h)  # never fed: the prefill is stuck
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            client.pull_stream(server.address, h.request_id, h.fingerprint, 1.0)
+        assert time.monotonic() - t0 < 5.0
+        other = dataclasses.replace(h, request_id="r2")
+        stream = src.open_stream(other)
+        th, box = _pull_in_thread(client, server.address, "r2", h.fingerprint)
+        feed(stream, other, delay_s=0.3)  # slow: the sender goes away mid-stream
+        time.sleep(0.5)
+    finally:
+        server.stop()
+    th.join(10)
+    assert isinstance(box.get("error"), TransferError)
+
+
+def test_wrong_layout_unknown_request_and_a_second_receiver_are_refused(transport):
+    t, client = transport
+    h = random_handle()
+    src = DictSource({})
+    server = t.serve(src, "127.0.0.1", 0)
+    try:
+        stream = src.open_stream(h)
+        wrong = dataclasses.replace(h.fingerprint, head_dim=16)
+        with pytest.raises(LayoutMismatchError, match="head_dim"):
+            client.pull_stream(server.address, h.request_id, wrong, 5)
+        with pytest.raises(UnknownRequestError):
+            client.pull_stream(server.address, "nope", h.fingerprint, 5)
+        th, box = _pull_in_thread(client, server.address, h.request_id, h.fingerprint)
+        time.sleep(0.3)
+        with pytest.raises(TransferError, match="has a receiver"):
+            client.pull_stream(server.address, h.request_id, h.fingerprint, 5)
+        feed(stream, h).join()
+        th.join(10)
+        assert _same_kv(box["result"][0], h)  # the first receiver is unaffected
+    finally:
+        server.stop()
