@@ -99,9 +99,12 @@ class _Servicer:
         except LayoutMismatchError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         try:
-            stream.attach()
+            early = stream.attach()
         except StreamBusyError as e:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        attached = getattr(self.source, "stream_attached", None)
+        if attached is not None:
+            attached(early)
         yield self._hooked(
             wire.stream_header(stream.request_id, stream.fingerprint, stream.num_tokens),
             pb.StreamKVResponse,

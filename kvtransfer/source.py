@@ -25,6 +25,8 @@ class EngineKVSource:
         self.lock = lock
         self._streams: dict[str, KVStream] = {}
         self._streams_lock = threading.Lock()  # NOTE: never the engine lock: no step waits
+        # receivers that attached while the prefill ran (the transfer overlapped it) / after
+        self.attached = {"early": 0, "late": 0}
 
     def get(self, request_id: str) -> KVHandle | None:
         with self.lock:
@@ -58,6 +60,10 @@ class EngineKVSource:
     def stream(self, request_id: str) -> KVStream | None:
         with self._streams_lock:
             return self._streams.get(request_id)
+
+    def stream_attached(self, early: bool) -> None:
+        with self._streams_lock:
+            self.attached["early" if early else "late"] += 1
 
     @property
     def num_streams(self) -> int:

@@ -84,11 +84,14 @@ class KVStream:
             self._on_close()
 
     # ---- the receiver's side --------------------------------------------------------------
-    def attach(self) -> None:
+    def attach(self) -> bool:
+        """Become the stream's receiver; True if the prefill was still running (the transfer
+        overlaps it), False if it had finished."""
         with self._cond:
             if self._attached:
                 raise StreamBusyError(f"the KV stream of {self.request_id!r} has a receiver")
             self._attached = True
+            return not self._finished
 
     def events(
         self, deadline: float, alive: Callable[[], bool] = lambda: True

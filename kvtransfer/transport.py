@@ -107,6 +107,10 @@ TRANSPORTS: dict[str, Callable[[], Transport]] = {
 }
 
 
+# NOTE: known without importing a transport (the gateway decides the flow by it)
+STREAMING = frozenset({"grpc", "shm"})
+
+
 def get_transport(name: str) -> Transport:
     """Instantiate a transport by name; the error lists the valid names."""
     try:

@@ -138,6 +138,12 @@ class ServeConfig(BaseModel):
         description="KV transport: grpc (streamed), shm (shared memory on one host, else "
         "grpc), gloo (torch.distributed on CPU), nccl (torch.distributed between GPUs)",
     )
+    kv_streaming: bool = Field(
+        True,
+        description="send KV layer by layer while the prefill computes, so the decode replica "
+        "has it moments after the first token (transports grpc and shm; gloo and nccl move "
+        "it after the prefill)",
+    )
     kv_port: int = Field(
         0,
         ge=0,

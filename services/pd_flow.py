@@ -33,6 +33,15 @@ class PrefillResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillStarted:
+    """First item of a layer-wise prefill (``PrefillServer.prefill_stream``): the KV stream is
+    open at ``kv_address``; the decode replica can start receiving before the first token."""
+
+    request_id: str
+    kv_address: str
+
+
+@dataclass(frozen=True, slots=True)
 class TokenChunk:
     """Tokens streamed by a decode replica."""
 

@@ -3,6 +3,7 @@
 Request lifecycle on a decode replica:
 1. ``generate(spec, prefill)`` pulls the request's KV from the prefill replica named in
    ``prefill`` (deadline ``kv_timeout_s``), releases it there, and places it in its own cache;
+   given a ``PrefillStarted`` it receives the KV layer by layer while the prefill still runs;
    with ``prefill=None`` (colocated mode, or a short prompt under conditional disaggregation)
    it prefills the prompt itself.
 2. The request joins the continuous batch and streams ``TokenChunk``s until a stop condition.
@@ -15,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from kvtransfer.selftest import self_test
@@ -27,6 +29,7 @@ from services.pd_flow import (
     GenerateSpec,
     KVTransferFailedError,
     PrefillResult,
+    PrefillStarted,
     RouteHint,
     TokenChunk,
 )
@@ -56,19 +59,44 @@ class DecodeServer(EngineReplica):
         if role == "decode":
             self.metrics.observe_self_test(self_test(transport, self.engine.engine.fingerprint))
         self.kv_client = transport.client()
+        # NOTE: its own threads: a layer-wise pull waits for the whole prefill, and the event
+        # loop's default pool (a handful of threads on a small node) must not run dry
+        self._pulls = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-pull")
         # test hook: when set, the next KV pull fails as a lost transfer would
         self.fail_next_pulls = 0
 
-    async def _pull(self, spec: GenerateSpec, prefill: PrefillResult) -> KVHandle:
+    async def _pull(
+        self, spec: GenerateSpec, prefill: PrefillResult | PrefillStarted
+    ) -> tuple[KVHandle, float]:
+        """The request's KV and the transfer time its TTFT could not hide."""
         assert prefill.kv_address is not None
         fp = self.engine.engine.fingerprint
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
         try:
             if self.fail_next_pulls > 0:
                 self.fail_next_pulls -= 1
                 raise TransferError("injected transfer failure (test hook)")
-            return await asyncio.to_thread(
-                self.kv_client.pull, prefill.kv_address, spec.request_id, fp, self.cfg.kv_timeout_s
+            if isinstance(prefill, PrefillStarted):  # layer-wise, while the prefill runs
+                handle, finished_unix = await loop.run_in_executor(
+                    self._pulls,
+                    self.kv_client.pull_stream,  # type: ignore[attr-defined]
+                    prefill.kv_address,
+                    spec.request_id,
+                    fp,
+                    self.cfg.request_timeout_s,  # NOTE: it spans the prefill's own time
+                )
+                # NOTE: wall clocks of two hosts; clamped, since only the excess is exposed
+                return handle, max(0.0, time.time() - finished_unix)
+            handle = await loop.run_in_executor(
+                self._pulls,
+                self.kv_client.pull,
+                prefill.kv_address,
+                spec.request_id,
+                fp,
+                self.cfg.kv_timeout_s,
             )
+            return handle, time.perf_counter() - start
         except (TransferError, TimeoutError, UnknownRequestError, LayoutMismatchError) as e:
             self.metrics.observe_transfer_failure(_failure_reason(e))
             raise KVTransferFailedError(
@@ -77,8 +105,8 @@ class DecodeServer(EngineReplica):
         finally:
             # the prefill side frees (or caches) the blocks; its hold timeout covers a lost release
             try:
-                await asyncio.to_thread(
-                    self.kv_client.release, prefill.kv_address, spec.request_id, 5.0
+                await loop.run_in_executor(
+                    self._pulls, self.kv_client.release, prefill.kv_address, spec.request_id, 5.0
                 )
             except Exception as e:  # the prefill side's hold timeout frees the blocks anyway
                 log.warning(
@@ -88,16 +116,17 @@ class DecodeServer(EngineReplica):
     async def generate(
         self,
         spec: GenerateSpec,
-        prefill: PrefillResult | None = None,
+        prefill: PrefillResult | PrefillStarted | None = None,
         route: RouteHint | None = None,
     ) -> AsyncIterator[TokenChunk]:
-        """``route`` is read by the request router in the caller's process, not here."""
+        """``prefill``: a finished prefill to pull from, a started one to receive layer by
+        layer, or None to prefill here. ``route`` is read by the request router in the
+        caller's process, not here."""
         handle = None
         transfer_s, transfer_bytes = 0.0, 0
         start = time.perf_counter()
         if prefill is not None:
-            handle = await self._pull(spec, prefill)
-            transfer_s = time.perf_counter() - start
+            handle, transfer_s = await self._pull(spec, prefill)
             transfer_bytes = handle.nbytes
             self.metrics.observe_transfer(transfer_s, transfer_bytes)
         last: float | None = None
@@ -138,4 +167,5 @@ class DecodeServer(EngineReplica):
 
     def __del__(self) -> None:
         # NOTE: replicas are torn down by Ray; stop the publisher and the loop thread
+        self._pulls.shutdown(wait=False, cancel_futures=True)
         self.shutdown()

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from services.engine.engine import Engine, EngineStats
 from services.engine.kv_handle import KVHandle
+from services.engine.kv_stream import KVSink
 from services.engine.request import RequestOutput
 from services.engine.sampling_params import SamplingParams
 
@@ -54,6 +55,7 @@ class AsyncEngine:
         *,
         prefill_only: bool = False,
         kv_handle: KVHandle | None = None,
+        kv_sink: KVSink | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; raises InvalidRequestError before yielding."""
         loop = asyncio.get_running_loop()
@@ -62,7 +64,12 @@ class AsyncEngine:
         def add() -> None:
             with self._wake:
                 self.engine.add_request(
-                    request_id, prompt_ids, params, prefill_only=prefill_only, kv_handle=kv_handle
+                    request_id,
+                    prompt_ids,
+                    params,
+                    prefill_only=prefill_only,
+                    kv_handle=kv_handle,
+                    kv_sink=kv_sink,
                 )
                 self._streams[request_id] = (loop, queue)
                 self._wake.notify()

@@ -8,8 +8,11 @@ Request lifecycle through the gateway (disaggregated mode):
    decode replica holds, under ``conditional_threshold``). The hits go to the request
    router (``services.router``) with each call, which picks the replica.
 3. Prefill replica: first token + where its KV is held. Stream the first token to the client.
-4. Decode replica: pulls the KV over the transport and streams the rest. A failed transfer is
-   re-prefilled once, then the request fails with 503.
+   Layer-wise (``kv_streaming``): the prefill replica first names its open KV stream, and the
+   decode call starts right then, receiving each layer while the prefill computes the next.
+4. Decode replica: pulls the KV over the transport (or has it from the stream) and streams the
+   rest. A failed transfer is re-prefilled once (whole pull, fresh request id), then the
+   request fails with 503.
 5. Record timings (queue, prefill, KV transfer, TTFT, every inter-token gap) as metrics.
 If the index fails (Redis down), routing falls back to load only for ``index_retry_s`` at a
 time, counted in ``pdserve_prefix_index_errors`` and logged once per outage; serving goes on.
@@ -28,6 +31,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ray.serve.exceptions import BackPressureError
 
+from kvtransfer.transport import STREAMING
 from services.config import ServeConfig
 from services.engine.block_hash import hash_blocks
 from services.engine.errors import InvalidRequestError
@@ -39,6 +43,8 @@ from services.gateway.auth import TokenCheck
 from services.pd_flow import (
     GenerateSpec,
     KVTransferFailedError,
+    PrefillResult,
+    PrefillStarted,
     RouteHint,
     TokenChunk,
     prefill_on_decode,
@@ -197,6 +203,7 @@ class Gateway:
             cfg.max_inflight_requests, cfg.retry_after_s, self.metrics.registry
         )
         self.auth = TokenCheck(cfg.auth_token)
+        self.streaming = cfg.kv_streaming and cfg.kv_transport in STREAMING
 
     # ---- request shaping (pure) ----------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -248,22 +255,37 @@ class Gateway:
         else:
             decode_route = RouteHint(n, {}, False, blocks, aware)
             prefill_route = RouteHint(n, cached, True, blocks, aware)
-        prefill = None
-        if not direct:
-            prefill = await self._prefill(spec, timing, prefill_route)
-            timing.token()
-            yield TokenChunk(
-                (prefill.first_token,),
-                prefill.first_text,
-                (prefill.first_logprob,) if prefill.first_logprob is not None else None,
-                prefill.finish_reason,
-            )
-            if prefill.finish_reason is not None:
-                return
+        prefill: PrefillResult | PrefillStarted | None = None
+        receiving = None  # a decode call already receiving the KV layer by layer
+        try:
+            if not direct and self.streaming:
+                started, result, receiving = await self._prefill_streamed(
+                    spec, timing, prefill_route, decode_route
+                )
+                prefill = started
+            elif not direct:
+                result = prefill = await self._prefill(spec, timing, prefill_route)
+            if not direct:
+                timing.token()
+                yield TokenChunk(
+                    (result.first_token,),
+                    result.first_text,
+                    (result.first_logprob,) if result.first_logprob is not None else None,
+                    result.finish_reason,
+                )
+                if result.finish_reason is not None:  # ended at its first token
+                    if receiving is not None:
+                        receiving.cancel()
+                    return
+        except BaseException:
+            if receiving is not None:
+                receiving.cancel()
+            raise
         for attempt in range(2):
-            gen = self.decode.options(method_name="generate", stream=True).remote(
+            gen = receiving or self.decode.options(method_name="generate", stream=True).remote(
                 spec, prefill, route=decode_route
             )
+            receiving = None
             first = True
             try:
                 async for chunk in _with_deadline(gen, deadline):
@@ -280,23 +302,57 @@ class Gateway:
                 if attempt == 1:
                     raise ServiceUnavailableError(f"KV transfer failed twice: {e}") from None
                 self.metrics.reprefills.inc()
-                prefill = await self._prefill(spec, timing, prefill_route)  # same seed: same token
+                # NOTE: a fresh id: the first prefill may still run (or hold) under the old
+                # one; the same seed gives the same first token
+                spec = replace(spec, request_id=f"{spec.request_id}-retry")
+                prefill = await self._prefill(spec, timing, prefill_route)
             finally:
                 gen.cancel()
 
-    async def _prefill(
-        self, spec: GenerateSpec, timing: Timing, route: RouteHint
-    ):  # -> PrefillResult
+    async def _prefill_streamed(
+        self, spec: GenerateSpec, timing: Timing, route: RouteHint, decode_route: RouteHint
+    ) -> tuple[PrefillStarted, PrefillResult, Any]:
+        """Layer-wise: the decode call starts as soon as the prefill replica opened its KV
+        stream, and receives the KV while the prefill runs. Returns (the start, the prefill's
+        result, the decode call)."""
+        calls = self.prefill.options(method_name="prefill_stream", stream=True).remote(
+            spec, route=route
+        )
+        receiving = None
+        try:
+            it = _with_deadline(calls, self.cfg.request_timeout_s).__aiter__()
+            started = await it.__anext__()
+            assert isinstance(started, PrefillStarted)
+            receiving = self.decode.options(method_name="generate", stream=True).remote(
+                spec, started, route=decode_route
+            )
+            result = await it.__anext__()
+            assert isinstance(result, PrefillResult)
+        except StopAsyncIteration:
+            raise ServiceUnavailableError("the prefill stream ended early") from None
+        except BaseException:
+            if receiving is not None:
+                receiving.cancel()
+            raise
+        finally:
+            calls.cancel()
+        self._record_prefill(spec, timing, result)
+        return started, result, receiving
+
+    async def _prefill(self, spec: GenerateSpec, timing: Timing, route: RouteHint) -> PrefillResult:
         try:
             result = await asyncio.wait_for(
                 self.prefill.prefill.remote(spec, route=route), timeout=self.cfg.request_timeout_s
             )
         except TimeoutError:
             raise ServiceUnavailableError("prefill did not answer before the deadline") from None
+        self._record_prefill(spec, timing, result)
+        return result
+
+    def _record_prefill(self, spec: GenerateSpec, timing: Timing, result: PrefillResult) -> None:
         timing.queue_s = result.queue_s
         timing.prefill_s = result.prefill_s
         self._observe_prefix(len(spec.prompt_ids), result.num_cached_tokens, timing)
-        return result
 
     def _observe_prefix(self, prompt_tokens: int, cached_tokens: int, timing: Timing) -> None:
         # NOTE: what the replica's engine actually reused, not what the index predicted

@@ -5,18 +5,23 @@ Request lifecycle on a prefill replica:
 2. The first token is sampled; the request's KV blocks are HELD by the engine.
 3. The reply names this replica's KV transfer address; a decode replica pulls the blocks and
    releases them, or the engine frees them after ``kv_hold_timeout_s``.
+Layer-wise (``prefill_stream``, transports that stream): a KV stream is opened and named
+*before* step 1, the engine puts each layer's KV into it as it is written, and the decode
+replica receives it while the prefill runs; the blocks are still held until released.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from kvtransfer.selftest import self_test
 from kvtransfer.source import EngineKVSource
+from kvtransfer.stream import KVStream
 from kvtransfer.transport import get_transport
 from services.config import ServeConfig
 from services.engine.request import FinishReason, RequestOutput
-from services.pd_flow import GenerateSpec, PrefillResult, RouteHint
+from services.pd_flow import GenerateSpec, PrefillResult, PrefillStarted, RouteHint
 from services.replica import EngineReplica, node_ip, open_index
 
 
@@ -28,8 +33,10 @@ class PrefillServer(EngineReplica):
         super().__init__(cfg, cfg.prefill, "prefill", open_index(cfg, index_handle))
         transport = get_transport(cfg.kv_transport)  # NOTE: raises if it cannot work here
         self.metrics.observe_self_test(self_test(transport, self.engine.engine.fingerprint))
+        self.kv_source = EngineKVSource(self.engine.engine, self.engine.lock)
+        self.streaming = transport.streaming
         self.kv_server = transport.serve(
-            EngineKVSource(self.engine.engine, self.engine.lock),
+            self.kv_source,
             node_ip(),
             cfg.kv_port,
             lease_s=cfg.kv_hold_timeout_s,
@@ -37,9 +44,29 @@ class PrefillServer(EngineReplica):
 
     async def prefill(self, spec: GenerateSpec, route: RouteHint | None = None) -> PrefillResult:
         """``route`` is read by the request router in the caller's process, not here."""
+        return await self._prefill(spec, None)
+
+    async def prefill_stream(
+        self, spec: GenerateSpec, route: RouteHint | None = None
+    ) -> AsyncIterator[PrefillStarted | PrefillResult]:
+        """Layer-wise: yields ``PrefillStarted`` at once (the KV stream is open, a decode
+        replica may attach), then the ``PrefillResult`` when the prefill is done."""
+        if not self.streaming:
+            raise ValueError(f"KV transport {self.cfg.kv_transport!r} does not stream")
+        stream = self.kv_source.open_stream(spec.request_id, len(spec.prompt_ids))
+        try:
+            yield PrefillStarted(spec.request_id, self.kv_server.address)
+            yield await self._prefill(spec, stream)
+        finally:
+            # NOTE: a no-op once the prefill finished (the hold's end closes it); otherwise
+            # (an error, the caller went away) the receiver learns at once
+            if stream.finished_unix == 0.0:
+                stream.fail("the prefill call ended early")
+
+    async def _prefill(self, spec: GenerateSpec, sink: KVStream | None) -> PrefillResult:
         out: RequestOutput | None = None
         async for o in self.engine.generate(
-            spec.request_id, spec.prompt_ids, spec.params, prefill_only=True
+            spec.request_id, spec.prompt_ids, spec.params, prefill_only=True, kv_sink=sink
         ):
             out = o
         assert out is not None and out.finished
@@ -57,6 +84,13 @@ class PrefillServer(EngineReplica):
             prefill_s=prefill_s,
             num_cached_tokens=out.num_cached_tokens,
         )
+
+    def kv_stream_stats(self) -> dict[str, int]:
+        """Layer-wise streams: receivers that attached while the prefill ran ("early": the
+        transfer overlapped it) or after it ("late"), and streams open now."""
+        with self.kv_source._streams_lock:
+            stats = dict(self.kv_source.attached)
+        return {**stats, "open": self.kv_source.num_streams}
 
     def __del__(self) -> None:
         # NOTE: replicas are torn down by Ray; stop the transport server and the loop thread

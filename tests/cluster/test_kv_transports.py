@@ -1,5 +1,6 @@
-"""Disaggregated serving over every CPU KV transport (grpc, shm, gloo): the same tokens as a
-single-process engine, each replica's start-up self-test names its transport, and a transfer
+"""Disaggregated serving over every CPU KV transport (grpc, shm, gloo), layer-wise or whole:
+the same tokens as a single-process engine, each replica's start-up self-test names its
+transport, a layer-wise stream overlaps its prefill and leaves nothing open, and a transfer
 that fails is counted by reason."""
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from tests.cluster.conftest import complete, deploy, undeploy
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-TRANSPORTS = ("shm", "gloo")  # grpc: every other cluster test
+TRANSPORTS = ("shm", "gloo")  # grpc, layer-wise: every other cluster test
 APPS = {f"kv-{t}": (f"/kv-{t}", {"kv_transport": t}) for t in TRANSPORTS}
+APPS["kv-whole"] = ("/kv-whole", {"kv_transport": "grpc", "kv_streaming": False})
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +34,31 @@ def test_tokens_are_identical_over_each_transport(apps, smollm_engine):
         [ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     )
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    for t in TRANSPORTS:
-        got, _ = complete(body, prefix=f"/kv-{t}")
+    for t in (*TRANSPORTS, "whole"):
+        got, resp = complete(body, prefix=f"/kv-{t}")
         assert got == want, t
+        assert resp["pdserve_timing"]["kv_transfer_s"] > 0, t
         streamed, _ = complete(body, stream=True, prefix=f"/kv-{t}")
         assert streamed == want, t
+
+
+def test_a_layer_wise_stream_overlaps_its_prefill(apps, smollm_engine):
+    from services.engine.sampling_params import SamplingParams
+
+    prefill = serve.get_deployment_handle("prefill", app_name="kv-shm")
+    before = prefill.kv_stream_stats.remote().result()
+    # long enough (about a second of CPU prefill) for the decode replica to attach mid-way
+    ids = [(7 * i) % 20000 + 100 for i in range(700)]
+    (want,) = smollm_engine.generate(
+        [ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    )
+    body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    got, resp = complete(body, prefix="/kv-shm")
+    assert got == want
+    after = prefill.kv_stream_stats.remote().result()
+    assert after["early"] == before["early"] + 1  # received while the prefill still ran
+    assert after["open"] == 0  # released: nothing left on the prefill replica
+    assert resp["pdserve_timing"]["num_cached_tokens"] == 0
 
 
 def test_each_replica_reports_the_transport_it_tested(apps):

@@ -116,6 +116,7 @@ max_inflight_requests: {{ $s.maxInflightRequests }}
 retry_after_s: {{ $s.retryAfterS }}
 kv_transport: {{ $s.kvTransport }}
 kv_port: {{ $s.kvPort }}
+kv_streaming: {{ $s.kvStreaming }}
 kv_timeout_s: {{ $s.kvTimeoutS }}
 kv_hold_timeout_s: {{ $s.kvHoldTimeoutS }}
 request_timeout_s: {{ $s.requestTimeoutS }}
