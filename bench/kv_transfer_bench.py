@@ -6,7 +6,7 @@ payload several times and keeps the median. Payloads are SmolLM2-135M's KV layou
 3 KV heads, head dim 64, block 16, fp32: 46,080 bytes per token).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/kv_transfer_bench.py [--sizes-mb 1 4 16 64 256]
-        [--transports grpc shm gloo] [--ttft]
+        [--transports grpc shm gloo] [--ttft | --ttft-only]
 """
 
 from __future__ import annotations
@@ -129,41 +129,122 @@ def measure(transport: str, sizes: list[float], repeats: int) -> dict[float, flo
         proc.wait(timeout=30)
 
 
-def ttft_share(gbps: dict[str, float]) -> list[dict[str, float]]:
-    """Prefill time of the real engine for 512/2048/8192-token prompts vs each transport's
-    transfer time of that prompt's KV (at its measured large-payload bandwidth)."""
+def prefill_sender(transport: str) -> None:
+    """The sender process of the TTFT measurement: a real prefill engine (the default model,
+    default chunking) behind the transport. Commands on stdin, one per line:
+    ``<request id> <tokens> whole|stream``; it answers ``open`` once the request (and its
+    stream) exists, then ``done <time.time()>`` when the first token is sampled."""
+    from kvtransfer.source import EngineKVSource
     from services.engine.config import EngineConfig
     from services.engine.engine import Engine
     from services.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
-    engine = Engine.from_path(None, EngineConfig(num_kv_blocks=600, max_num_batched_tokens=8192))
-    rows = []
-    for n in (512, 2048, 8191):
-        t = time.perf_counter()
-        engine.generate([[(7 * i) % 40000 + 10 for i in range(n)]], SamplingParams(max_tokens=1))
-        prefill_s = time.perf_counter() - t
-        kv_bytes = n * BLOCK_BYTES // 16
-        row = {"tokens": n, "prefill_s": prefill_s, "kv_mb": kv_bytes / (1 << 20)}
-        for name, g in gbps.items():
-            transfer_s = kv_bytes / (g * 1e9)
-            row[f"{name}_share"] = transfer_s / (prefill_s + transfer_s)
-        rows.append(row)
-        engine.blocks.reset_prefix_cache()
-    return rows
+    engine = Engine.from_path(None, EngineConfig(role="prefill", num_kv_blocks=600))
+    lock = threading.Lock()
+    source = EngineKVSource(engine, lock)
+    server = get_transport(transport).serve(source, "127.0.0.1", 0)
+    print(server.address, flush=True)
+    for line in sys.stdin:
+        rid, n, mode = line.split()
+        ids = [(7 * i + len(rid)) % 40000 + 10 for i in range(int(n))]
+        sink = source.open_stream(rid, len(ids)) if mode == "stream" else None
+        with lock:
+            engine.add_request(
+                rid, ids, SamplingParams(max_tokens=2, ignore_eos=True), kv_sink=sink
+            )
+        print("open", flush=True)
+        done = False
+        while not done:
+            with lock:  # NOTE: one step at a time, as the replica's loop thread does
+                done = any(o.finished for o in engine.step() if o.request_id == rid)
+        print(f"done {time.time()}", flush=True)
+
+
+def ttft_share(transport: str, sizes: tuple[int, ...] = (512, 2048, 8190)) -> list[dict]:
+    """Measured, not modelled: for each prompt size, the prefill's time to its first token
+    and the transfer time left *after* it (the part TTFT cannot hide), with the whole KV
+    pulled after the prefill and with layer-wise streaming during it."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--prefill-sender", transport],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    out, inp = proc.stdout, proc.stdin
+    assert out is not None and inp is not None
+    try:
+        address = out.readline().strip()
+        client = get_transport(transport).client()
+        rows = []
+        for n in sizes:
+            row: dict = {"tokens": n, "kv_mb": n * BLOCK_BYTES / 16 / (1 << 20)}
+            for mode in ("whole", "stream"):
+                rid = f"{mode}-{n}"
+                t0 = time.time()
+                inp.write(f"{rid} {n} {mode}\n")
+                inp.flush()
+                line = out.readline().strip()
+                assert line == "open", line
+                box: dict = {}
+                if mode == "stream":
+
+                    def receive(box: dict = box, rid: str = rid) -> None:
+                        box["h"] = client.pull_stream(address, rid, LAYOUT, 600.0)
+                        box["at"] = time.time()
+
+                    th = threading.Thread(target=receive)
+                    th.start()
+                done_at = float(out.readline().split()[1])
+                if mode == "whole":
+                    client.pull(address, rid, LAYOUT, 120.0)
+                    box["at"] = time.time()
+                else:
+                    th.join()
+                client.release(address, rid, 10.0)
+                row["prefill_s"] = done_at - t0
+                row[f"{mode}_exposed_s"] = max(0.0, box["at"] - done_at)
+                row[f"{mode}_share"] = row[f"{mode}_exposed_s"] / (done_at - t0)
+            rows.append(row)
+        client.close()
+        return rows
+    finally:
+        inp.close()
+        proc.wait(timeout=60)
+
+
+def print_ttft(rows: list[dict]) -> None:
+    print("\nexposed KV transfer (after the first token) as a share of TTFT, grpc, this CPU")
+    for r in rows:
+        print(
+            f"{r['tokens']:5d} tokens, KV {r['kv_mb']:5.0f} MB: prefill {r['prefill_s']:6.2f} s; "
+            f"whole pull {1e3 * r['whole_exposed_s']:7.1f} ms ({100 * r['whole_share']:4.1f}%), "
+            f"layer-wise {1e3 * r['stream_exposed_s']:7.1f} ms ({100 * r['stream_share']:4.1f}%)"
+        )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-sender", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 4.0, 16.0, 64.0, 256.0])
     ap.add_argument("--transports", nargs="+", default=["grpc", "shm", "gloo"])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--ttft", action="store_true", help="also the transfer share of TTFT")
+    ap.add_argument(
+        "--ttft", action="store_true", help="also the exposed transfer share of TTFT (grpc)"
+    )
+    ap.add_argument("--ttft-only", action="store_true", help="only that")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.serve:
         serve(args.serve, args.sizes_mb)
+        return 0
+    if args.prefill_sender:
+        prefill_sender(args.prefill_sender)
+        return 0
+    if args.ttft_only:
+        print_ttft(ttft_share("grpc"))
         return 0
     results = {"tcp": measure("tcp", args.sizes_mb, args.repeats)}
     for t in args.transports:
@@ -182,15 +263,8 @@ def main() -> int:
         "gbps": {t: {str(k): v for k, v in r.items()} for t, r in results.items()}
     }
     if args.ttft:
-        big = max(args.sizes_mb)
-        rows = ttft_share({t: results[t][big] for t in results})
-        print("\ntransfer share of TTFT, no layer-wise streaming (prefill on this CPU)")
-        for r in rows:
-            shares = ", ".join(f"{t} {100 * r[f'{t}_share']:.1f}%" for t in results)
-            print(
-                f"{r['tokens']:5d} tokens: prefill {r['prefill_s']:.2f} s, KV {r['kv_mb']:.0f} MB; {shares}"
-            )
-        out["ttft"] = rows
+        out["ttft"] = rows = ttft_share("grpc")
+        print_ttft(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
