@@ -139,7 +139,7 @@ class ServeConfig(BaseModel):
         "grpc), gloo (torch.distributed on CPU), nccl (torch.distributed between GPUs)",
     )
     kv_streaming: bool = Field(
-        True,
+        False,
         description="send KV layer by layer while the prefill computes, so the decode replica "
         "has it moments after the first token (transports grpc and shm; gloo and nccl move "
         "it after the prefill)",

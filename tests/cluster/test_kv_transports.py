@@ -12,9 +12,9 @@ from tests.cluster.conftest import complete, deploy, undeploy
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-TRANSPORTS = ("shm", "gloo")  # grpc, layer-wise: every other cluster test
-APPS = {f"kv-{t}": (f"/kv-{t}", {"kv_transport": t}) for t in TRANSPORTS}
-APPS["kv-whole"] = ("/kv-whole", {"kv_transport": "grpc", "kv_streaming": False})
+TRANSPORTS = ("shm", "gloo")  # grpc, whole pulls: every other cluster test
+APPS = {f"kv-{t}": (f"/kv-{t}", {"kv_transport": t, "kv_streaming": True}) for t in TRANSPORTS}
+APPS["kv-stream"] = ("/kv-stream", {"kv_transport": "grpc", "kv_streaming": True})
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_tokens_are_identical_over_each_transport(apps, smollm_engine):
         [ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     )
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    for t in (*TRANSPORTS, "whole"):
+    for t in (*TRANSPORTS, "stream"):  # shm and grpc layer-wise, gloo whole
         got, resp = complete(body, prefix=f"/kv-{t}")
         assert got == want, t
         assert resp["pdserve_timing"]["kv_transfer_s"] > 0, t
