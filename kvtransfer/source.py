@@ -65,7 +65,7 @@ class EngineKVSource:
         with self._streams_lock:
             self.attached["early" if early else "late"] += 1
 
-    @property
-    def num_streams(self) -> int:
+    def stream_stats(self) -> dict[str, int]:
+        """Receivers that attached early / late, and streams open now."""
         with self._streams_lock:
-            return len(self._streams)
+            return {**self.attached, "open": len(self._streams)}

@@ -58,6 +58,12 @@ class KVStream:
         self._failed: str | None = None
         self._attached = False
 
+    @property
+    def finished(self) -> bool:
+        """The final handle was queued (the prefill is done)."""
+        with self._cond:
+            return self._finished
+
     # ---- the engine's side (KVSink) ------------------------------------------------------
     def put(self, piece: KVPiece) -> None:
         with self._cond:

@@ -60,7 +60,7 @@ class PrefillServer(EngineReplica):
         finally:
             # NOTE: a no-op once the prefill finished (the hold's end closes it); otherwise
             # (an error, the caller went away) the receiver learns at once
-            if stream.finished_unix == 0.0:
+            if not stream.finished:
                 stream.fail("the prefill call ended early")
 
     async def _prefill(self, spec: GenerateSpec, sink: KVStream | None) -> PrefillResult:
@@ -88,9 +88,7 @@ class PrefillServer(EngineReplica):
     def kv_stream_stats(self) -> dict[str, int]:
         """Layer-wise streams: receivers that attached while the prefill ran ("early": the
         transfer overlapped it) or after it ("late"), and streams open now."""
-        with self.kv_source._streams_lock:
-            stats = dict(self.kv_source.attached)
-        return {**stats, "open": self.kv_source.num_streams}
+        return self.kv_source.stream_stats()
 
     def __del__(self) -> None:
         # NOTE: replicas are torn down by Ray; stop the transport server and the loop thread
