@@ -111,18 +111,21 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopped and not self.engine.has_unfinished:
+                if not self._stopped and not self.engine.has_unfinished:
                     # NOTE: wake up now and then even when idle: step() also expires KV holds
-                    # that no decode replica came for.
-                    if not self._wake.wait(timeout=1.0):
-                        self.engine.step()
-                        self.last_stats = self.engine.stats()
+                    # that no decode replica came for. The step below runs either way, and its
+                    # outputs are always delivered: a wait that timed out may still return
+                    # after a request was added (``add`` held the lock across the timeout),
+                    # and that step then runs the request (it may even finish it).
+                    self._wake.wait(timeout=1.0)
                 if self._stopped:
                     break
+                working = self.engine.has_unfinished
                 try:
                     t = time.perf_counter()
                     outputs = self.engine.step()
-                    self.busy_s += time.perf_counter() - t
+                    if working:
+                        self.busy_s += time.perf_counter() - t
                 except Exception as e:  # a bug: fail every open stream loudly, keep serving
                     log.exception("engine step failed")
                     self._fail_all(e)

@@ -1,0 +1,77 @@
+"""AsyncEngine: every request's outputs reach its consumer, including a request that the loop
+thread's idle step picks up; a consumer that goes away frees its request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine import Engine
+from services.engine.sampling_params import SamplingParams
+
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+async def collect(ae: AsyncEngine, rid: str, params: SamplingParams) -> list[int]:
+    tokens: list[int] = []
+    async for out in ae.generate(rid, PROMPT, params):
+        tokens += out.new_token_ids
+    return tokens
+
+
+def test_a_request_added_across_the_idle_wait_timeout_gets_its_output(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """Regression: the loop thread waits for work with a 1 s timeout and steps when it expires
+    (to expire KV holds). When the wait timed out while a request was being added (``add``
+    holds the lock), that step ran the request, finished it, and its output was dropped: the
+    consumer waited until the stall deadline. Holding the lock across a whole timeout here
+    makes that interleaving certain."""
+    eng = make_engine()
+    ae = AsyncEngine(eng, stall_timeout_s=10.0)
+    add = eng.add_request
+
+    def slow_add(*args, **kwargs):  # type: ignore[no-untyped-def]
+        add(*args, **kwargs)
+        time.sleep(1.3)  # NOTE: longer than the loop's idle wait, with the lock held
+
+    eng.add_request = slow_add  # type: ignore[method-assign]
+    try:
+        time.sleep(0.1)  # the loop thread is in its idle wait
+        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        t = time.perf_counter()
+        tokens = asyncio.run(collect(ae, "r0", one))
+        assert len(tokens) == 1
+        assert time.perf_counter() - t < 8.0, "the output was delivered only by the stall path"
+    finally:
+        ae.stop()
+
+
+def test_outputs_stream_in_order_and_a_consumer_that_leaves_frees_its_request(
+    make_engine: Callable[..., Engine],
+) -> None:
+    eng = make_engine()
+    ae = AsyncEngine(eng, stall_timeout_s=30.0)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    try:
+        whole = asyncio.run(collect(ae, "a", greedy))
+        assert len(whole) == 6
+
+        async def leave_after_first() -> list[int]:
+            long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+            gen = ae.generate("b", PROMPT, long)
+            first = await anext(gen)
+            await gen.aclose()  # the consumer goes away: the request is aborted
+            return first.new_token_ids
+
+        assert asyncio.run(leave_after_first()) == whole[:1]
+        deadline = time.monotonic() + 10
+        while (eng.has_unfinished or eng.blocks.num_used_blocks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not eng.has_unfinished and eng.blocks.num_used_blocks == 0
+        # the engine still serves, with the same greedy tokens
+        assert asyncio.run(collect(ae, "c", greedy)) == whole
+    finally:
+        ae.stop()
