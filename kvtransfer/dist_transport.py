@@ -3,17 +3,22 @@
 Rendezvous: every prefill replica hosts a ``TCPStore`` at its KV address. A decode replica that
 first pulls from an address opens a *pair* there: it takes the next pair number from the store
 (``add``), announces it, and both sides build a two-rank process group (prefill rank 0, decode
-rank 1) over that pair's ``PrefixStore``. Pairs are made lazily, one per (decode replica,
-prefill replica), reused for every later transfer, closed when idle for ``idle_s`` and bounded
-to ``max_pairs`` per decode replica (least recently used goes first).
+rank 1) over that pair's ``PrefixStore``. Pairs are made lazily, reused for later transfers,
+closed when idle for ``idle_s``, at most ``pairs_per_peer`` to one prefill replica (a pair
+carries one transfer at a time) and ``max_pairs`` in all per decode replica (the least
+recently used idle pair goes first).
 
-One transfer on a pair (the pair's lock makes them sequential, so messages match in order):
+One transfer on a pair (sequential on it, so messages match in order):
 1. decode: ``pair/k/q/n`` = {"op": "pull", request id, layout} in the store;
 2. prefill: looks the request up; ``pair/k/r/n`` = an error, or the header (sizes, layout,
    each chunk's checksum); then sends the payload chunk by chunk over the process group;
 3. decode: receives each chunk into its buffer, checks its checksum, rebuilds the handle;
    then ``{"op": "release"}`` frees the blocks on the prefill side (its hold lease frees them
    if that never comes).
+Layer-wise (``{"op": "stream"}``, sent as soon as the prefill replica names its open stream):
+the answer is the stream header (what to allocate); then, while the prefill runs, a small
+meta tensor per message (piece: layer, positions, size, checksum; or the end, or why it
+failed) followed by its bytes over the group: a piece's KV, the trailer, or the reason.
 Any failure (deadline, a dead peer, a bad chunk) closes the pair: a half-read stream would
 shift every later message, so the next pull opens a fresh one.
 
@@ -32,14 +37,15 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from kvtransfer import wire
-from kvtransfer.transport import KVSource
+from kvtransfer.stream import StreamBusyError, StreamFailedError
+from kvtransfer.transport import KVSource, StreamingKVSource
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
@@ -49,6 +55,16 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 ChunkHook = Callable[[int, torch.Tensor], torch.Tensor]
+
+# A layer-wise stream's messages over the group: a ``_meta`` tensor, then its bytes.
+_PIECE, _END, _FAILED, _TIMED_OUT = 1, 2, 3, 4  # what the bytes are (a piece, the trailer, why)
+_META_LEN = 7  # what, seq, layer, token_start, token_end, nbytes, checksum
+
+
+def _meta(what: int, seq: int, layer: int, a: int, b: int, nbytes: int, check: int) -> torch.Tensor:
+    # NOTE: checksums are unsigned 64-bit; the tensor is int64 (two's complement round trip)
+    signed = check - (1 << 64) if check >= 1 << 63 else check
+    return torch.tensor([what, seq, layer, a, b, nbytes, signed], dtype=torch.int64)
 
 
 class TransportUnavailableError(RuntimeError):
@@ -218,6 +234,8 @@ class DistKVServer:
                     store.set(f"{prefix}r/{n}", b'{"ok": true}')
                 elif msg["op"] == "pull":
                     self._pull(pg, store, prefix, n, msg)
+                elif msg["op"] == "stream":
+                    self._stream(pg, store, prefix, n, msg)
                 n += 1
         except Exception as e:  # a dead or timed-out peer: this pair is done
             log.info("KV pair %d closed: %s", k, e)
@@ -248,6 +266,70 @@ class DistKVServer:
                 part = self.chunk_hook(seq, part)
             pg.send([part], 1, n).wait()
 
+    def _stream(self, pg: Any, store: Any, prefix: str, n: int, msg: dict[str, Any]) -> None:
+        """A layer-wise stream: the answer names what to allocate, then one ``_meta`` and
+        (for a piece) its data per message over the group, until the end or a failure."""
+        source = self.source
+        rid = msg["request_id"]
+        stream = source.stream(rid) if isinstance(source, StreamingKVSource) else None
+        if stream is None:
+            self._answer(store, prefix, n, {"error": "not_found", "detail": rid})
+            return
+        want = pb.KVLayout.FromString(base64.b64decode(msg["layout"]))
+        try:
+            wire.check_layout(stream.fingerprint, wire.layout_from_proto(want))
+            early = stream.attach()
+        except LayoutMismatchError as e:
+            self._answer(store, prefix, n, {"error": "layout", "detail": str(e)})
+            return
+        except StreamBusyError as e:
+            self._answer(store, prefix, n, {"error": "busy", "detail": str(e)})
+            return
+        source.stream_attached(early)
+        device = _device(self.backend)
+        kind = "crc32" if device.type == "cpu" else "sum64"
+        header = wire.stream_header(stream.request_id, stream.fingerprint, stream.num_tokens)
+        self._answer(
+            store, prefix, n, {"header": base64.b64encode(header).decode(), "checksum": kind}
+        )
+        closed = f"{prefix}q/{n + 1}"  # NOTE: a receiver that gives up closes the pair there
+        deadline = time.monotonic() + float(msg.get("timeout_s") or self.timeout_s)
+        seq = 0
+        stopped = "the prefill replica's KV server stopped"
+
+        def alive() -> bool:
+            return not self._stopped.is_set() and not store.check([closed])
+
+        try:
+            for item in stream.events(deadline, alive):
+                if self._stopped.is_set():
+                    raise StreamFailedError(stopped)
+                if isinstance(item, KVHandle):
+                    trailer = wire.stream_trailer(item, seq, stream.finished_unix)
+                    self._send_bytes(pg, n, _END, trailer)
+                    return
+                for a, b, part in wire.piece_parts(item, self.chunk_bytes):
+                    part = part.to(device)
+                    sent = self.chunk_hook(seq, part) if self.chunk_hook is not None else part
+                    meta = _meta(
+                        _PIECE, seq, item.layer, a, b, part.numel(), wire.checksum(kind, part)
+                    )
+                    pg.send([meta.to(device)], 1, n).wait()
+                    pg.send([sent], 1, n).wait()
+                    seq += 1
+            if self._stopped.is_set():  # NOTE: the receiver learns at once, not at its deadline
+                self._send_bytes(pg, n, _FAILED, stopped.encode())
+        except StreamFailedError as e:
+            self._send_bytes(pg, n, _FAILED, str(e).encode())
+        except TimeoutError as e:
+            self._send_bytes(pg, n, _TIMED_OUT, str(e).encode())
+
+    def _send_bytes(self, pg: Any, n: int, what: int, raw: bytes) -> None:
+        device = _device(self.backend)
+        pg.send([_meta(what, 0, 0, 0, 0, len(raw), 0).to(device)], 1, n).wait()
+        if raw:
+            pg.send([torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)], 1, n).wait()
+
     @staticmethod
     def _answer(store: Any, prefix: str, n: int, body: dict[str, Any]) -> None:
         store.set(f"{prefix}r/{n}", json.dumps(body).encode())
@@ -265,7 +347,6 @@ class _Pair:
         self.store.set(f"open/{self.k}", b"1")
         self.pg = _group(backend, dist.PrefixStore(self.prefix, self.store), 1, timeout_s)
         self.n = 0
-        self.lock = threading.Lock()
         self.last_used = time.monotonic()
 
     def ask(self, body: dict[str, Any], timeout_s: float) -> tuple[int, dict[str, Any]]:
@@ -281,61 +362,105 @@ class _Pair:
 
 
 class DistKVClient:
-    """The decode side: pairs by address, lazily made, LRU-bounded, closed when idle."""
+    """The decode side: pairs by address, lazily made, reused, closed when idle.
+
+    A pair carries one transfer at a time; a layer-wise stream holds its pair for the whole
+    prefill, so up to ``pairs_per_peer`` pairs are opened to one address (more concurrent
+    transfers wait for one to free up). ``max_pairs`` bounds the pairs of this client in all;
+    the least recently used idle pair goes first.
+    """
 
     def __init__(
         self,
         backend: str,
         *,
-        max_pairs: int = 16,
+        max_pairs: int = 32,
+        pairs_per_peer: int = 8,
         idle_s: float = 300.0,
         connect_timeout_s: float = 30.0,
     ) -> None:
         check_backend(backend)
         self.backend, self.max_pairs, self.idle_s = backend, max_pairs, idle_s
+        self.pairs_per_peer = max(1, min(pairs_per_peer, max_pairs))
         self.connect_timeout_s = connect_timeout_s
-        self._pairs: OrderedDict[str, _Pair] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def _pair(self, address: str) -> _Pair:
-        with self._lock:
-            now = time.monotonic()
-            for addr in [a for a, p in self._pairs.items() if now - p.last_used > self.idle_s]:
-                self._pairs.pop(addr).close()
-            pair = self._pairs.get(address)
-            if pair is not None:
-                self._pairs.move_to_end(address)
-                return pair
-            while len(self._pairs) >= self.max_pairs:
-                self._pairs.popitem(last=False)[1].close()
-        pair = _Pair(address, self.backend, self.connect_timeout_s)  # outside the lock: blocks
-        with self._lock:
-            self._pairs[address] = pair
-        return pair
-
-    def _drop(self, pair: _Pair) -> None:
-        with self._lock:
-            if self._pairs.get(pair.address) is pair:
-                del self._pairs[pair.address]
-        pair.close()
+        self._idle: OrderedDict[_Pair, None] = OrderedDict()  # free pairs, least recent first
+        self._count: dict[str, int] = {}  # pairs (busy, idle or forming) by address
+        self._cond = threading.Condition()
 
     @property
     def num_pairs(self) -> int:
-        return len(self._pairs)
+        with self._cond:
+            return sum(self._count.values())
 
-    def pull(
-        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
-    ) -> KVHandle:
-        end = time.monotonic() + timeout_s
+    @contextlib.contextmanager
+    def _use(self, address: str, end: float) -> Iterator[_Pair]:
+        """A pair to ``address`` for one transfer: an idle one, a new one, or the first to
+        free up before ``end``. A transfer that fails in a way that may leave messages in
+        flight must ``_drop`` it (then it is not returned to the idle set)."""
+        pair = self._acquire(address, end)
         try:
-            pair = self._pair(address)
+            yield pair
+        finally:
+            with self._cond:
+                if pair.pg is not None:  # not dropped
+                    pair.last_used = time.monotonic()
+                    self._idle[pair] = None
+                self._cond.notify_all()
+
+    def _acquire(self, address: str, end: float) -> _Pair:
+        close: list[_Pair] = []
+        try:
+            with self._cond:
+                while True:
+                    now = time.monotonic()
+                    for p in [p for p in self._idle if now - p.last_used > self.idle_s]:
+                        close.append(self._forget(p))
+                    pair = next((p for p in reversed(self._idle) if p.address == address), None)
+                    if pair is not None:
+                        del self._idle[pair]
+                        return pair
+                    if self._count.get(address, 0) < self.pairs_per_peer:
+                        while sum(self._count.values()) >= self.max_pairs and self._idle:
+                            close.append(self._forget(next(iter(self._idle))))
+                        if sum(self._count.values()) < self.max_pairs:
+                            self._count[address] = self._count.get(address, 0) + 1
+                            break
+                    if now >= end:
+                        raise TimeoutError(f"no free KV pair to {address} before the deadline")
+                    self._cond.wait(min(end - now, 1.0))
+        finally:
+            for p in close:
+                p.close()
+        try:  # NOTE: outside the lock: forming a group blocks until the peer joins
+            return _Pair(address, self.backend, self.connect_timeout_s)
         except Exception as e:
+            with self._cond:
+                self._count[address] -= 1
+                self._cond.notify_all()
             raise wire.TransferError(f"KV pair with {address} did not form: {e}") from None
-        with pair.lock:
-            pair.last_used = time.monotonic()
+
+    def _forget(self, pair: _Pair) -> _Pair:
+        """Under the lock: take an idle ``pair`` out of the books (the caller closes it)."""
+        del self._idle[pair]
+        self._count[pair.address] -= 1
+        if not self._count[pair.address]:
+            del self._count[pair.address]
+        return pair
+
+    def _drop(self, pair: _Pair) -> None:
+        """A pair in use that must not carry another transfer (a half-read message stream
+        would shift every later one): close it; the next transfer opens a fresh one."""
+        with self._cond:
+            self._count[pair.address] -= 1
+            if not self._count[pair.address]:
+                del self._count[pair.address]
+        pair.close()
+
+    def _transfer(self, address: str, end: float, run: Callable[[_Pair], Any]) -> Any:
+        with self._use(address, end) as pair:
             try:
-                return self._receive(pair, request_id, layout, end)
-            except (UnknownRequestError, LayoutMismatchError):
+                return run(pair)
+            except (UnknownRequestError, LayoutMismatchError, StreamFailedError, StreamBusyError):
                 raise  # answered cleanly: the pair stays usable
             except TimeoutError:
                 self._drop(pair)
@@ -347,46 +472,123 @@ class DistKVClient:
                 self._drop(pair)
                 raise wire.TransferError(f"KV transfer from {address} failed: {e}") from None
 
+    def pull(
+        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+    ) -> KVHandle:
+        end = time.monotonic() + timeout_s
+        return self._transfer(address, end, lambda p: self._receive(p, request_id, layout, end))
+
+    def pull_stream(
+        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+    ) -> tuple[KVHandle, float]:
+        """Receive a request's KV layer by layer while the sender prefills it; returns the
+        handle and the sender's ``finished_unix``. Raises as ``pull`` does; a second
+        receiver gets a TransferError, a prefill that ended without KV StreamFailedError."""
+        end = time.monotonic() + timeout_s
+        try:
+            return self._transfer(
+                address, end, lambda p: self._receive_stream(p, request_id, layout, end)
+            )
+        except StreamBusyError as e:
+            raise wire.TransferError(str(e)) from None
+
+    def _ask(
+        self, pair: _Pair, op: str, request_id: str, layout: LayoutFingerprint, end: float
+    ) -> tuple[int, dict[str, Any]]:
+        body = {
+            "op": op,
+            "request_id": request_id,
+            "layout": base64.b64encode(wire.layout_to_proto(layout).SerializeToString()).decode(),
+            "timeout_s": max(0.0, end - time.monotonic()),
+        }
+        n, answer = pair.ask(body, max(0.0, end - time.monotonic()))
+        error = answer.get("error")
+        if error == "not_found":
+            what = "KV stream open" if op == "stream" else "KV held"
+            raise UnknownRequestError(f"no {what} for request {request_id!r}")
+        if error == "layout":
+            raise LayoutMismatchError(answer["detail"])
+        if error == "busy":
+            raise StreamBusyError(answer["detail"])
+        return n, answer
+
     def _receive(
         self, pair: _Pair, request_id: str, layout: LayoutFingerprint, end: float
     ) -> KVHandle:
-        body = {
-            "op": "pull",
-            "request_id": request_id,
-            "layout": base64.b64encode(wire.layout_to_proto(layout).SerializeToString()).decode(),
-        }
-        n, answer = pair.ask(body, max(0.0, end - time.monotonic()))
-        if answer.get("error") == "not_found":
-            raise UnknownRequestError(f"no KV held for request {request_id!r}")
-        if answer.get("error") == "layout":
-            raise LayoutMismatchError(answer["detail"])
+        n, answer = self._ask(pair, "pull", request_id, layout, end)
         header = pb.KVHeader.FromString(base64.b64decode(answer["header"]))
         wire.check_header(header, layout)
         buf = torch.empty(header.total_bytes, dtype=torch.uint8, device=_device(self.backend))
         for seq, (a, b) in enumerate(wire.chunk_ranges(header.total_bytes, header.chunk_bytes)):
-            left = end - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            work = pair.pg.recv([buf[a:b]], 0, n)
-            if not work.wait(datetime.timedelta(seconds=left)):
-                raise TimeoutError
+            _recv(pair, buf[a:b], n, end)
             wire.verify_chunk(header, seq, buf[a:b])
         return wire.handle_from(header, buf, layout)
 
+    def _receive_stream(
+        self, pair: _Pair, request_id: str, layout: LayoutFingerprint, end: float
+    ) -> tuple[KVHandle, float]:
+        n, answer = self._ask(pair, "stream", request_id, layout, end)
+        first = pb.StreamKVResponse.FromString(base64.b64decode(answer["header"]))
+        device = _device(self.backend)
+        asm = wire.StreamAssembler(first.header, layout, device)
+        kind = answer["checksum"]
+        meta = torch.empty(_META_LEN, dtype=torch.int64, device=device)
+        while True:
+            _recv(pair, meta, n, end)
+            what, seq, layer, a, b, nbytes, check = meta.tolist()
+            if what == _PIECE:
+                asm.check(seq, layer, a, b, nbytes)
+                part = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                _recv(pair, part, n, end)
+                if wire.checksum(kind, part) != check & 0xFFFF_FFFF_FFFF_FFFF:
+                    raise wire.TransferError(f"piece {seq} failed its {kind} check")
+                asm.place(layer, a, b, part)
+                continue
+            if what not in (_END, _FAILED, _TIMED_OUT) or not 0 <= nbytes <= 1 << 20:
+                raise wire.TransferError(f"malformed stream message {what}")
+            raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            if nbytes:
+                _recv(pair, raw, n, end)
+            body = raw.cpu().numpy().tobytes()
+            if what == _FAILED:
+                raise StreamFailedError(body.decode(errors="replace"))
+            if what == _TIMED_OUT:
+                raise TimeoutError(body.decode(errors="replace"))
+            msg = pb.StreamKVResponse.FromString(body)
+            if msg.WhichOneof("msg") != "trailer":
+                raise wire.TransferError("the stream did not end with its trailer")
+            return asm.finish(msg.trailer)
+
     def release(self, address: str, request_id: str, timeout_s: float) -> None:
-        pair = self._pair(address)
-        with pair.lock:
-            try:
-                pair.ask({"op": "release", "request_id": request_id}, timeout_s)
-            except Exception:
-                self._drop(pair)
-                raise
+        end = time.monotonic() + timeout_s
+
+        def run(pair: _Pair) -> None:
+            pair.ask({"op": "release", "request_id": request_id}, max(0.0, end - time.monotonic()))
+
+        self._transfer(address, end, run)
 
     def close(self) -> None:
-        with self._lock:
-            pairs, self._pairs = list(self._pairs.values()), OrderedDict()
+        with self._cond:
+            pairs = list(self._idle)
+            for p in pairs:
+                self._forget(p)
         for p in pairs:
             p.close()
+
+
+def _recv(pair: _Pair, into: torch.Tensor, tag: int, end: float) -> None:
+    left = end - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    try:
+        done = pair.pg.recv([into], 0, tag).wait(datetime.timedelta(seconds=left))
+    except RuntimeError as e:
+        # NOTE: gloo raises (rather than returning False) when the wait times out
+        if "timed out" in str(e).lower():
+            raise TimeoutError from None
+        raise
+    if not done:
+        raise TimeoutError
 
 
 _LIVE: weakref.WeakSet[DistKVServer] = weakref.WeakSet()
@@ -399,9 +601,7 @@ def _stop_all() -> None:
 
 
 class DistTransport:
-    # NOTE: whole pulls only for now: a layer-wise stream would need a control message per
-    # piece through the store; the prefill/decode flow uses ``pull`` with this transport.
-    streaming = False
+    streaming = True  # layer-wise streams: the ``stream`` op, pieces over the pair's group
 
     def __init__(self, backend: str) -> None:
         self.name = backend

@@ -25,7 +25,7 @@ import grpc
 
 from kvtransfer import shm, wire
 from kvtransfer.stream import StreamBusyError, StreamFailedError
-from kvtransfer.transport import KVSource
+from kvtransfer.transport import KVSource, StreamingKVSource
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
@@ -88,8 +88,10 @@ class _Servicer:
     def StreamKV(
         self, request: pb.StreamKVRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
-        open_stream = getattr(self.source, "stream", None)
-        stream = open_stream(request.request_id) if open_stream is not None else None
+        source = self.source
+        stream = (
+            source.stream(request.request_id) if isinstance(source, StreamingKVSource) else None
+        )
         if stream is None:
             context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no KV stream open for request {request.request_id!r}"
@@ -102,9 +104,7 @@ class _Servicer:
             early = stream.attach()
         except StreamBusyError as e:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        attached = getattr(self.source, "stream_attached", None)
-        if attached is not None:
-            attached(early)
+        source.stream_attached(early)
         yield self._hooked(
             wire.stream_header(stream.request_id, stream.fingerprint, stream.num_tokens),
             pb.StreamKVResponse,

@@ -9,9 +9,12 @@ when it can place them, and the prefill side never buffers for a receiver that i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
+
+if TYPE_CHECKING:
+    from kvtransfer.stream import KVStream
 
 
 class KVSource(Protocol):
@@ -23,6 +26,20 @@ class KVSource(Protocol):
 
     def release(self, request_id: str) -> None:
         """Free the request's blocks; idempotent."""
+        ...
+
+
+@runtime_checkable
+class StreamingKVSource(KVSource, Protocol):
+    """A source that also serves layer-wise streams (what a ``streaming`` transport's server
+    needs; ``EngineKVSource`` is one)."""
+
+    def stream(self, request_id: str) -> KVStream | None:
+        """The request's open stream, or None."""
+        ...
+
+    def stream_attached(self, early: bool) -> None:
+        """Count a receiver that attached while the prefill ran (``early``) or after it."""
         ...
 
 
@@ -108,7 +125,7 @@ TRANSPORTS: dict[str, Callable[[], Transport]] = {
 
 
 # NOTE: known without importing a transport (the gateway decides the flow by it)
-STREAMING = frozenset({"grpc", "shm"})
+STREAMING = frozenset({"grpc", "shm", "gloo", "nccl"})
 
 
 def get_transport(name: str) -> Transport:

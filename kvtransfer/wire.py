@@ -6,6 +6,7 @@ whose layout equals the receiver's own, or raises; it never returns partial or u
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
@@ -304,35 +305,39 @@ def stream_header(request_id: str, fp: LayoutFingerprint, num_tokens: int) -> by
     return pb.StreamKVResponse(header=h).SerializeToString()
 
 
-def piece_frames(piece: KVPiece, first_seq: int, max_bytes: int) -> list[bytes]:
-    """``StreamKVResponse.piece`` frames of one layer piece, split by position so that none
-    carries more than ``max_bytes`` (a long prompt's layer can exceed gRPC's message limit)."""
+def piece_parts(piece: KVPiece, max_bytes: int) -> list[tuple[int, int, torch.Tensor]]:
+    """One layer piece split by position so that no part carries more than ``max_bytes`` (a
+    long prompt's layer can exceed a message limit): (token_start, token_end, the part's
+    ``[2, n, heads, dim]`` KV as contiguous 1-D bytes, on the piece's device)."""
     data = piece.data.contiguous()
-    if data.device.type != "cpu":
-        data = data.cpu()
     n = piece.token_end - piece.token_start
     per_token = data.numel() * data.element_size() // max(1, n)
     step = max(1, (max_bytes or DEFAULT_CHUNK_BYTES) // max(1, per_token))
-    frames = []
-    for seq, a in enumerate(range(0, n, step), first_seq):
-        b = min(n, a + step)
-        part = data[:, a:b].contiguous().view(torch.uint8)
-        frames.append(
-            # StreamKVResponse.piece = 2 {seq, layer, token_start, token_end, data = 5, crc32 = 6}
-            data_frame(
-                2,
-                (
-                    (1, seq),
-                    (2, piece.layer),
-                    (3, piece.token_start + a),
-                    (4, piece.token_start + b),
-                ),
-                5,
-                memoryview(part.numpy()).cast("B"),
-                6,
-            )
+    return [
+        (
+            piece.token_start + a,
+            piece.token_start + min(n, a + step),
+            data[:, a : a + step].contiguous().view(torch.uint8).reshape(-1),
         )
-    return frames
+        for a in range(0, n, step)
+    ]
+
+
+def piece_frames(piece: KVPiece, first_seq: int, max_bytes: int) -> list[bytes]:
+    """``StreamKVResponse.piece`` frames of one layer piece (``piece_parts``)."""
+    if piece.data.device.type != "cpu":
+        piece = dataclasses.replace(piece, data=piece.data.cpu())
+    return [
+        # StreamKVResponse.piece = 2 {seq, layer, token_start, token_end, data = 5, crc32 = 6}
+        data_frame(
+            2,
+            ((1, seq), (2, piece.layer), (3, a), (4, b)),
+            5,
+            memoryview(part.numpy()).cast("B"),
+            6,
+        )
+        for seq, (a, b, part) in enumerate(piece_parts(piece, max_bytes), first_seq)
+    ]
 
 
 def stream_trailer(handle: KVHandle, num_pieces: int, finished_unix: float) -> bytes:
@@ -341,56 +346,91 @@ def stream_trailer(handle: KVHandle, num_pieces: int, finished_unix: float) -> b
     return pb.StreamKVResponse(trailer=h).SerializeToString()
 
 
+class StreamAssembler:
+    """The receiver's side of a layer-wise stream, whatever carries it: allocates for the
+    stream header, places each checked piece, and builds the handle at the trailer once
+    every position of every layer has arrived (pieces in sequence; else TransferError,
+    LayoutMismatchError on a layout)."""
+
+    def __init__(
+        self, h: pb.KVHeader, expected: LayoutFingerprint, device: torch.device | str = "cpu"
+    ) -> None:
+        check_layout(layout_from_proto(h.layout), expected)
+        fp = self.fp = expected
+        if fp.dtype not in DTYPES:
+            raise TransferError(f"unknown dtype {fp.dtype!r}")
+        self.n_tokens, self.n_blocks = h.num_computed, h.num_blocks
+        if self.n_blocks != -(-self.n_tokens // fp.block_size):
+            raise TransferError(f"header says {self.n_blocks} blocks for {self.n_tokens} tokens")
+        esize = torch.empty((), dtype=DTYPES[fp.dtype]).element_size()
+        self.row = fp.num_kv_heads * fp.head_dim * esize  # bytes of one position of k (or v)
+        slots = self.n_blocks * fp.block_size
+        # NOTE: torch.empty: no zeroing pass over memory the pieces overwrite
+        self.buf = torch.empty(
+            fp.num_layers * 2 * slots * self.row, dtype=torch.uint8, device=device
+        )
+        self.out = self.buf.view(fp.num_layers, 2, slots, self.row)
+        self.out[:, :, self.n_tokens :] = 0  # the last block's unused tail: never read as context
+        self._np = self.out.numpy() if self.buf.device.type == "cpu" else None
+        self.covered = np.zeros((fp.num_layers, self.n_tokens), dtype=bool)
+        self.seq = 0
+
+    def check(self, seq: int, layer: int, a: int, b: int, nbytes: int) -> None:
+        """Raises unless piece ``seq`` is the next one and fits the KV (before it is read)."""
+        if seq != self.seq:
+            raise TransferError(f"piece {seq} arrived where {self.seq} was due")
+        if (
+            layer >= self.fp.num_layers
+            or not a < b <= self.n_tokens
+            or nbytes != 2 * (b - a) * self.row
+        ):
+            raise TransferError(f"piece {seq} (layer {layer}, positions {a}:{b}) does not fit")
+
+    def place(self, layer: int, a: int, b: int, data: memoryview | torch.Tensor) -> None:
+        """Store a checked piece (``check`` passed, its checksum too)."""
+        if isinstance(data, torch.Tensor):
+            self.out[layer, :, a:b] = data.view(2, b - a, self.row)
+        else:  # NOTE: numpy reads read-only message bytes without a copy
+            assert self._np is not None
+            self._np[layer, :, a:b] = np.frombuffer(data, dtype=np.uint8).reshape(
+                2, b - a, self.row
+            )
+        self.covered[layer, a:b] = True
+        self.seq += 1
+
+    def finish(self, t: pb.KVHeader) -> tuple[KVHandle, float]:
+        """The handle, from the trailer ``t``, and the sender's ``finished_unix``."""
+        if t.num_chunks != self.seq:
+            raise TransferError(f"trailer counts {t.num_chunks} pieces, {self.seq} arrived")
+        if t.num_computed != self.n_tokens or t.num_blocks != self.n_blocks:
+            raise TransferError("trailer and header disagree on the KV's size")
+        if not self.covered.all():
+            layer = int(np.argmin(self.covered.all(axis=1)))
+            raise TransferError(f"layer {layer} is missing positions")
+        t.total_bytes = self.buf.numel()
+        return handle_from(t, self.buf, self.fp), t.finished_unix
+
+
 def decode_stream(messages: Iterable[bytes], expected: LayoutFingerprint) -> tuple[KVHandle, float]:
-    """Rebuild a handle from a ``StreamKV`` stream; returns it and the sender's
-    ``finished_unix``. Every position of every layer must have arrived, each piece must pass
-    its CRC-32 and arrive in sequence; else TransferError (LayoutMismatchError on a layout)."""
+    """Rebuild a handle from a ``StreamKV`` stream (``StreamAssembler``); returns it and the
+    sender's ``finished_unix``. Every piece must pass its CRC-32."""
     it = iter(messages)
     raw = next(it, None)
     first = pb.StreamKVResponse.FromString(raw) if raw is not None else None
     if first is None or first.WhichOneof("msg") != "header":
         raise TransferError("stream did not start with a header")
-    h = first.header
-    check_layout(layout_from_proto(h.layout), expected)
-    fp = expected
-    if fp.dtype not in DTYPES:
-        raise TransferError(f"unknown dtype {fp.dtype!r}")
-    n_tokens, n_blocks = h.num_computed, h.num_blocks
-    if n_blocks != -(-n_tokens // fp.block_size):
-        raise TransferError(f"header says {n_blocks} blocks for {n_tokens} tokens")
-    esize = torch.empty((), dtype=DTYPES[fp.dtype]).element_size()
-    row = fp.num_kv_heads * fp.head_dim * esize  # bytes of one position of k (or v)
-    slots = n_blocks * fp.block_size
-    buf = torch.empty(fp.num_layers * 2 * slots * row, dtype=torch.uint8)
-    out = buf.numpy().reshape(fp.num_layers, 2, slots, row)
-    out[:, :, n_tokens:] = 0  # the last block's unused tail: defined, never read as context
-    covered = np.zeros((fp.num_layers, n_tokens), dtype=bool)
-    seq = 0
+    asm = StreamAssembler(first.header, expected)
     for raw in it:
         frame = read_data_frame(raw, 2)
         if frame is None:
             msg = pb.StreamKVResponse.FromString(raw)
             if msg.WhichOneof("msg") != "trailer":
                 raise TransferError("a second header in the stream")
-            t = msg.trailer
-            if t.num_chunks != seq:
-                raise TransferError(f"trailer counts {t.num_chunks} pieces, {seq} arrived")
-            if t.num_computed != n_tokens or t.num_blocks != n_blocks:
-                raise TransferError("trailer and header disagree on the KV's size")
-            if not covered.all():
-                layer = int(np.argmin(covered.all(axis=1)))
-                raise TransferError(f"layer {layer} is missing positions")
-            t.total_bytes = buf.numel()
-            return handle_from(t, buf, expected), t.finished_unix
+            return asm.finish(msg.trailer)
         f, data = frame
-        if f.get(1, 0) != seq:
-            raise TransferError(f"piece {f.get(1, 0)} arrived where {seq} was due")
+        seq, layer, a, b = f.get(1, 0), f.get(2, 0), f.get(3, 0), f.get(4, 0)
+        asm.check(seq, layer, a, b, len(data))
         if zlib.crc32(data) != f.get(6, 0):
             raise TransferError(f"piece {seq} failed its CRC-32 check")
-        layer, a, b = f.get(2, 0), f.get(3, 0), f.get(4, 0)
-        if layer >= fp.num_layers or not a < b <= n_tokens or len(data) != 2 * (b - a) * row:
-            raise TransferError(f"piece {seq} (layer {layer}, positions {a}:{b}) does not fit")
-        out[layer, :, a:b] = np.frombuffer(data, dtype=np.uint8).reshape(2, b - a, row)
-        covered[layer, a:b] = True
-        seq += 1
-    raise TransferError(f"stream ended after {seq} pieces, without its trailer")
+        asm.place(layer, a, b, data)
+    raise TransferError(f"stream ended after {asm.seq} pieces, without its trailer")

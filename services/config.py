@@ -139,10 +139,10 @@ class ServeConfig(BaseModel):
         "grpc), gloo (torch.distributed on CPU), nccl (torch.distributed between GPUs)",
     )
     kv_streaming: bool = Field(
-        False,
+        True,
         description="send KV layer by layer while the prefill computes, so the decode replica "
-        "has it moments after the first token (transports grpc and shm; gloo and nccl move "
-        "it after the prefill)",
+        "has it moments after the first token (every transport); false: the decode replica "
+        "pulls the whole KV after the prefill",
     )
     kv_port: int = Field(
         0,

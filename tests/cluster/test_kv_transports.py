@@ -1,4 +1,4 @@
-"""Disaggregated serving over every CPU KV transport (grpc, shm, gloo), layer-wise or whole:
+"""Disaggregated serving over every CPU KV transport (grpc, shm, gloo), layer-wise and whole:
 the same tokens as a single-process engine, each replica's start-up self-test names its
 transport, a layer-wise stream overlaps its prefill and leaves nothing open, and a transfer
 that fails is counted by reason."""
@@ -12,9 +12,9 @@ from tests.cluster.conftest import complete, deploy, undeploy
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-TRANSPORTS = ("shm", "gloo")  # grpc, whole pulls: every other cluster test
-APPS = {f"kv-{t}": (f"/kv-{t}", {"kv_transport": t, "kv_streaming": True}) for t in TRANSPORTS}
-APPS["kv-stream"] = ("/kv-stream", {"kv_transport": "grpc", "kv_streaming": True})
+TRANSPORTS = ("shm", "gloo")  # grpc layer-wise (the default): every other cluster test
+APPS = {f"kv-{t}": (f"/kv-{t}", {"kv_transport": t}) for t in TRANSPORTS}
+APPS["kv-whole"] = ("/kv-whole", {"kv_transport": "grpc", "kv_streaming": False})
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_tokens_are_identical_over_each_transport(apps, smollm_engine):
         [ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     )
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    for t in (*TRANSPORTS, "stream"):  # shm and grpc layer-wise, gloo whole
+    for t in (*TRANSPORTS, "whole"):  # shm and gloo layer-wise, grpc whole pulls
         got, resp = complete(body, prefix=f"/kv-{t}")
         assert got == want, t
         assert resp["pdserve_timing"]["kv_transfer_s"] > 0, t
@@ -42,10 +42,11 @@ def test_tokens_are_identical_over_each_transport(apps, smollm_engine):
         assert streamed == want, t
 
 
-def test_a_layer_wise_stream_overlaps_its_prefill(apps, smollm_engine):
+@pytest.mark.parametrize("t", TRANSPORTS)
+def test_a_layer_wise_stream_overlaps_its_prefill(apps, smollm_engine, t):
     from services.engine.sampling_params import SamplingParams
 
-    prefill = serve.get_deployment_handle("prefill", app_name="kv-shm")
+    prefill = serve.get_deployment_handle("prefill", app_name=f"kv-{t}")
     before = prefill.kv_stream_stats.remote().result()
     # long enough (about a second of CPU prefill) for the decode replica to attach mid-way
     ids = [(7 * i) % 20000 + 100 for i in range(700)]
@@ -53,12 +54,20 @@ def test_a_layer_wise_stream_overlaps_its_prefill(apps, smollm_engine):
         [ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     )
     body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    got, resp = complete(body, prefix="/kv-shm")
+    got, resp = complete(body, prefix=f"/kv-{t}")
     assert got == want
     after = prefill.kv_stream_stats.remote().result()
     assert after["early"] == before["early"] + 1  # received while the prefill still ran
     assert after["open"] == 0  # released: nothing left on the prefill replica
     assert resp["pdserve_timing"]["num_cached_tokens"] == 0
+
+
+def test_whole_pulls_open_no_stream(apps):
+    prefill = serve.get_deployment_handle("prefill", app_name="kv-whole")
+    body = {"prompt": "Name a planet:", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    got, resp = complete(body, prefix="/kv-whole")
+    assert len(got) == 3 and resp["pdserve_timing"]["kv_transfer_s"] > 0
+    assert prefill.kv_stream_stats.remote().result() == {"early": 0, "late": 0, "open": 0}
 
 
 def test_each_replica_reports_the_transport_it_tested(apps):

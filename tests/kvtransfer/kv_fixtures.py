@@ -21,6 +21,7 @@ class DictSource:
         self.released: list[str] = []
         self.delay_s = delay_s
         self.streams: dict[str, KVStream] = {}  # layer-wise streams (``streaming`` transports)
+        self.attached: list[bool] = []  # per receiver: did it attach before the stream finished
 
     def get(self, request_id: str) -> KVHandle | None:
         time.sleep(self.delay_s)
@@ -35,6 +36,9 @@ class DictSource:
 
     def stream(self, request_id: str) -> KVStream | None:
         return self.streams.get(request_id)
+
+    def stream_attached(self, early: bool) -> None:
+        self.attached.append(early)
 
     def open_stream(self, h: KVHandle) -> KVStream:
         stream = KVStream(h.request_id, h.fingerprint, h.num_computed)

@@ -1,4 +1,4 @@
-"""The layer-wise stream contract (transports with ``streaming``: grpc, shm): a stream fed
+"""The layer-wise stream contract (every transport streams: grpc, shm, gloo for nccl): a stream fed
 while the receiver reads gives byte-exact KV, and ends once the sender finishes; a
 corrupted piece, a failed prefill, a stalled or stopped sender, a wrong layout, an unknown
 request and a second receiver all fail cleanly."""
@@ -27,7 +27,7 @@ LAYOUTS = [
 ]
 
 
-@pytest.fixture(params=["grpc", "shm"])
+@pytest.fixture(params=["grpc", "shm", "gloo"])
 def transport(request):
     t = get_transport(request.param)
     assert t.streaming
@@ -105,11 +105,19 @@ def test_a_corrupted_piece_is_detected(transport):
             msg.piece.data = bytes(data)
         return msg
 
+    def damage_chunk(seq: int, part: torch.Tensor) -> torch.Tensor:
+        if seq != 2:
+            return part
+        part = part.clone()
+        part[3] ^= 0x10
+        return part
+
+    hook = {"chunk_hook": damage_chunk} if t.name == "gloo" else {"message_hook": damage}
     src = DictSource({})
-    server = t.serve(src, "127.0.0.1", 0, message_hook=damage)
+    server = t.serve(src, "127.0.0.1", 0, **hook)
     try:
         feed(src.open_stream(h), h).join()
-        with pytest.raises(TransferError, match="piece 2 failed its CRC-32"):
+        with pytest.raises(TransferError, match=r"piece 2 failed its (CRC-32|crc32)"):
             client.pull_stream(server.address, h.request_id, h.fingerprint, 10)
     finally:
         server.stop()
@@ -174,3 +182,27 @@ def test_wrong_layout_unknown_request_and_a_second_receiver_are_refused(transpor
         assert _same_kv(box["result"][0], h)  # the first receiver is unaffected
     finally:
         server.stop()
+
+
+def test_concurrent_streams_from_one_sender_do_not_wait_for_each_other(transport):
+    """A stream holds its connection (a gloo pair) for the whole prefill: a second request's
+    stream to the same sender must still arrive while the first one is unfinished."""
+    t, client = transport
+    first, second = random_handle(n_blocks=6), dataclasses.replace(random_handle(), request_id="r2")
+    src = DictSource({})
+    server = t.serve(src, "127.0.0.1", 0)
+    try:
+        s1, s2 = src.open_stream(first), src.open_stream(second)
+        th1, box1 = _pull_in_thread(client, server.address, first.request_id, first.fingerprint)
+        time.sleep(0.3)  # the first receiver is attached and waiting for its prefill
+        th2, box2 = _pull_in_thread(client, server.address, "r2", second.fingerprint)
+        feed(s2, second).join()
+        th2.join(10)
+        assert "result" in box2 and _same_kv(box2["result"][0], second)
+        assert th1.is_alive() and not box1  # the first is still waiting for its prefill
+        feed(s1, first).join()
+        th1.join(10)
+        assert _same_kv(box1["result"][0], first)
+    finally:
+        server.stop()
+    assert len(src.attached) == 2 and src.attached[0]  # the first attached while it ran
