@@ -6,7 +6,7 @@ payload several times and keeps the median. Payloads are SmolLM2-135M's KV layou
 3 KV heads, head dim 64, block 16, fp32: 46,080 bytes per token).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/kv_transfer_bench.py [--sizes-mb 1 4 16 64 256]
-        [--transports grpc shm gloo] [--ttft | --ttft-only]
+        [--transports grpc shm gloo] [--ttft | --ttft-only] [--ttft-transports grpc gloo]
 """
 
 from __future__ import annotations
@@ -214,8 +214,10 @@ def ttft_share(transport: str, sizes: tuple[int, ...] = (512, 2048, 8190)) -> li
         proc.wait(timeout=60)
 
 
-def print_ttft(rows: list[dict]) -> None:
-    print("\nexposed KV transfer (after the first token) as a share of TTFT, grpc, this CPU")
+def print_ttft(transport: str, rows: list[dict]) -> None:
+    print(
+        f"\nexposed KV transfer (after the first token) as a share of TTFT, {transport}, this CPU"
+    )
     for r in rows:
         print(
             f"{r['tokens']:5d} tokens, KV {r['kv_mb']:5.0f} MB: prefill {r['prefill_s']:6.2f} s; "
@@ -231,10 +233,9 @@ def main() -> int:
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 4.0, 16.0, 64.0, 256.0])
     ap.add_argument("--transports", nargs="+", default=["grpc", "shm", "gloo"])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument(
-        "--ttft", action="store_true", help="also the exposed transfer share of TTFT (grpc)"
-    )
+    ap.add_argument("--ttft", action="store_true", help="also the exposed transfer share of TTFT")
     ap.add_argument("--ttft-only", action="store_true", help="only that")
+    ap.add_argument("--ttft-transports", nargs="+", default=["grpc", "gloo"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.serve:
@@ -244,7 +245,8 @@ def main() -> int:
         prefill_sender(args.prefill_sender)
         return 0
     if args.ttft_only:
-        print_ttft(ttft_share("grpc"))
+        for t in args.ttft_transports:
+            print_ttft(t, ttft_share(t))
         return 0
     results = {"tcp": measure("tcp", args.sizes_mb, args.repeats)}
     for t in args.transports:
@@ -263,8 +265,9 @@ def main() -> int:
         "gbps": {t: {str(k): v for k, v in r.items()} for t, r in results.items()}
     }
     if args.ttft:
-        out["ttft"] = rows = ttft_share("grpc")
-        print_ttft(rows)
+        out["ttft"] = ttft = {t: ttft_share(t) for t in args.ttft_transports}
+        for t, rows in ttft.items():
+            print_ttft(t, rows)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -16,6 +16,7 @@ of pieces) when it ends; then ``ReleaseKV`` as above.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -195,6 +196,27 @@ class GrpcKVServer:
             self.segments.close()
 
 
+class _Calls:
+    """One channel to a sender and its three calls (made once: building a multicallable
+    costs more than a small pull)."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        # NOTE: no response deserializer on the data streams: ``wire`` reads the raw frames
+        # without a copy
+        self.pull = self.channel.unary_stream(
+            f"/{_SERVICE}/PullKV", pb.PullKVRequest.SerializeToString, None
+        )
+        self.stream = self.channel.unary_stream(
+            f"/{_SERVICE}/StreamKV", pb.StreamKVRequest.SerializeToString, None
+        )
+        self.release = self.channel.unary_unary(
+            f"/{_SERVICE}/ReleaseKV",
+            pb.ReleaseKVRequest.SerializeToString,
+            pb.ReleaseKVResponse.FromString,
+        )
+
+
 class GrpcKVClient:
     """Pulls KV blocks from ``GrpcKVServer``s; keeps one channel per address.
 
@@ -203,14 +225,16 @@ class GrpcKVClient:
     """
 
     def __init__(self, shared_memory: bool = False) -> None:
-        self._channels: dict[str, grpc.Channel] = {}
+        self._calls: dict[str, _Calls] = {}
+        self._lock = threading.Lock()
         self.host_id = shm.host_id() if shared_memory else ""
 
-    def _channel(self, address: str) -> grpc.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = grpc.insecure_channel(address, options=_OPTIONS)
-        return ch
+    def _to(self, address: str) -> _Calls:
+        with self._lock:
+            calls = self._calls.get(address)
+            if calls is None:
+                calls = self._calls[address] = _Calls(address)
+            return calls
 
     def pull(
         self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
@@ -219,11 +243,7 @@ class GrpcKVClient:
             request_id=request_id, layout=wire.layout_to_proto(layout), host_id=self.host_id
         )
         try:
-            # NOTE: no response deserializer: ``wire`` reads the raw frames without a copy
-            pull = self._channel(address).unary_stream(
-                f"/{_SERVICE}/PullKV", pb.PullKVRequest.SerializeToString, None
-            )
-            return wire.decode(pull(req, timeout=timeout_s), layout)
+            return wire.decode(self._to(address).pull(req, timeout=timeout_s), layout)
         except grpc.RpcError as e:
             raise _map_error(e, address) from None
 
@@ -234,28 +254,21 @@ class GrpcKVClient:
         and the sender's ``finished_unix``. Raises as ``pull`` does."""
         req = pb.StreamKVRequest(request_id=request_id, layout=wire.layout_to_proto(layout))
         try:
-            call = self._channel(address).unary_stream(
-                f"/{_SERVICE}/StreamKV", pb.StreamKVRequest.SerializeToString, None
-            )
-            return wire.decode_stream(call(req, timeout=timeout_s), layout)
+            return wire.decode_stream(self._to(address).stream(req, timeout=timeout_s), layout)
         except grpc.RpcError as e:
             raise _map_error(e, address) from None
 
     def release(self, address: str, request_id: str, timeout_s: float) -> None:
         try:
-            release = self._channel(address).unary_unary(
-                f"/{_SERVICE}/ReleaseKV",
-                pb.ReleaseKVRequest.SerializeToString,
-                pb.ReleaseKVResponse.FromString,
-            )
-            release(pb.ReleaseKVRequest(request_id=request_id), timeout=timeout_s)
+            self._to(address).release(pb.ReleaseKVRequest(request_id=request_id), timeout=timeout_s)
         except grpc.RpcError as e:
             raise _map_error(e, address) from None
 
     def close(self) -> None:
-        for ch in self._channels.values():
-            ch.close()
-        self._channels.clear()
+        with self._lock:
+            calls, self._calls = list(self._calls.values()), {}
+        for c in calls:
+            c.channel.close()
 
 
 def _map_error(e: grpc.RpcError, address: str) -> Exception:
