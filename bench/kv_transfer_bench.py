@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -75,10 +76,57 @@ def serve(transport: str, sizes: list[float]) -> None:
 
         threading.Thread(target=accept, daemon=True).start()
         print(f"127.0.0.1:{srv.getsockname()[1]}", flush=True)
+    elif transport == "grpc-floor":
+        print(floor_server(handles), flush=True)
     else:
         server = get_transport(transport).serve(Source(handles), "127.0.0.1", 0)
         print(server.address, flush=True)
     sys.stdin.read()
+
+
+def floor_server(handles: dict[str, KVHandle]) -> str:
+    """gRPC's own ceiling on this machine: a ``PullKV`` server that streams messages framed
+    in advance (no copy of ours on either side; the client only iterates them), same
+    options and chunk size as the real transport."""
+    from concurrent import futures
+
+    import grpc
+
+    from kvtransfer import grpc_transport as gt
+    from kvtransfer import wire
+    from proto.pdserve.v1 import kv_transfer_pb2 as pb
+
+    frames = {k: list(wire.encode(h)) for k, h in handles.items()}
+
+    def pull(request: pb.PullKVRequest, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
+        yield from frames[request.request_id.split("#")[0]]
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=gt._OPTIONS)
+    handler = grpc.unary_stream_rpc_method_handler(
+        pull, pb.PullKVRequest.FromString, wire.serialize
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(gt._SERVICE, {"PullKV": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    _KEEP.append(server)
+    return f"127.0.0.1:{port}"
+
+
+_KEEP: list[object] = []  # the floor server lives as long as the sender process
+
+
+def floor_pull(address: str, key: str) -> None:
+    from kvtransfer import grpc_transport as gt
+    from proto.pdserve.v1 import kv_transfer_pb2 as pb
+
+    calls = _FLOOR_CALLS.get(address) or _FLOOR_CALLS.setdefault(address, gt._Calls(address))
+    for _ in calls.pull(pb.PullKVRequest(request_id=key), timeout=120.0):
+        pass
+
+
+_FLOOR_CALLS: dict[str, Any] = {}  # one channel per sender, as the real client keeps
 
 
 def tcp_pull(address: str, key: str, nbytes: int, sock: list[socket.socket]) -> None:
@@ -107,14 +155,17 @@ def measure(transport: str, sizes: list[float], repeats: int) -> dict[float, flo
     try:
         address = proc.stdout.readline().strip()  # type: ignore[union-attr]
         out: dict[float, float] = {}
-        client = None if transport == "tcp" else get_transport(transport).client()
+        raw = transport in ("tcp", "grpc-floor")
+        client = None if raw else get_transport(transport).client()
         sock: list[socket.socket] = []
         for mb in sizes:
             nbytes = max(1, int(mb * (1 << 20)) // BLOCK_BYTES) * BLOCK_BYTES
             times = []
             for i in range(repeats + 1):  # the first one warms the connection up
                 t = time.perf_counter()
-                if client is None:
+                if transport == "grpc-floor":
+                    floor_pull(address, f"{mb}#{i}")
+                elif client is None:
                     tcp_pull(address, f"{mb}", nbytes, sock)
                 else:
                     client.pull(address, f"{mb}#{i}", LAYOUT, 120.0)
@@ -161,6 +212,9 @@ def prefill_sender(transport: str) -> None:
         print(f"done {time.time()}", flush=True)
 
 
+WARMUP_TOKENS = 2048
+
+
 def ttft_share(transport: str, sizes: tuple[int, ...] = (512, 2048, 8190)) -> list[dict]:
     """Measured, not modelled: for each prompt size, the prefill's time to its first token
     and the transfer time left *after* it (the part TTFT cannot hide), with the whole KV
@@ -178,10 +232,12 @@ def ttft_share(transport: str, sizes: tuple[int, ...] = (512, 2048, 8190)) -> li
         address = out.readline().strip()
         client = get_transport(transport).client()
         rows = []
-        for n in sizes:
+        # NOTE: one unreported round first: a process's first large transfer is 2-3x slower
+        # (fresh memory, HTTP/2 windows growing); a serving replica is past that
+        for n in (WARMUP_TOKENS, *sizes):
             row: dict = {"tokens": n, "kv_mb": n * BLOCK_BYTES / 16 / (1 << 20)}
             for mode in ("whole", "stream"):
-                rid = f"{mode}-{n}"
+                rid = f"{mode}-{n}-{len(rows)}"
                 t0 = time.time()
                 inp.write(f"{rid} {n} {mode}\n")
                 inp.flush()
@@ -208,7 +264,7 @@ def ttft_share(transport: str, sizes: tuple[int, ...] = (512, 2048, 8190)) -> li
                 row[f"{mode}_share"] = row[f"{mode}_exposed_s"] / (done_at - t0)
             rows.append(row)
         client.close()
-        return rows
+        return rows[1:]
     finally:
         inp.close()
         proc.wait(timeout=60)
@@ -231,7 +287,12 @@ def main() -> int:
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prefill-sender", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 4.0, 16.0, 64.0, 256.0])
-    ap.add_argument("--transports", nargs="+", default=["grpc", "shm", "gloo"])
+    ap.add_argument(
+        "--transports",
+        nargs="+",
+        default=["grpc", "shm", "gloo"],
+        help="also grpc-floor: gRPC alone, with messages framed in advance (its ceiling here)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--ttft", action="store_true", help="also the exposed transfer share of TTFT")
     ap.add_argument("--ttft-only", action="store_true", help="only that")

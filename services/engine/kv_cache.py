@@ -43,17 +43,25 @@ class KVCache:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy out blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        return (
-            torch.stack(
-                [
-                    torch.stack((k.index_select(1, idx), v.index_select(1, idx)))
-                    for k, v in zip(self.k, self.v)
-                ]
-            )
-            .permute(0, 1, 3, 4, 2, 5)
-            .contiguous()
+        k0 = self.k[0]
+        heads, _, block_size, head_dim = k0.shape
+        idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+        out = torch.empty(
+            (len(self.k), 2, len(block_ids), block_size, heads, head_dim),
+            dtype=k0.dtype,
+            device=k0.device,
         )
+        # NOTE: gathered one layer at a time through a small reused buffer, then transposed
+        # into place: two passes over each byte, and no whole-request temporaries (stacking
+        # the gathers made four copies, three of them into fresh, page-faulting memory)
+        tmp = torch.empty(
+            (heads, len(block_ids), block_size, head_dim), dtype=k0.dtype, device=k0.device
+        )
+        for layer, kv in enumerate(zip(self.k, self.v)):
+            for i, cache in enumerate(kv):
+                torch.index_select(cache, 1, idx, out=tmp)
+                out[layer, i].copy_(tmp.permute(1, 2, 0, 3))
+        return out
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of ``read_blocks`` for ``data[:, :, i]`` -> block ``block_ids[i]``."""
