@@ -1,8 +1,8 @@
 """KV transfer bandwidth: every transport against raw loopback TCP in the same run, and the
 transfer's share of TTFT on the default model's layout.
 
-The sender runs in its own process (as a prefill replica would); the receiver pulls each
-payload several times and keeps the median. Payloads are SmolLM2-135M's KV layout (30 layers,
+Each sender runs in its own process (as a prefill replica would); the receiver pulls each
+payload several times over every transport in turn and keeps each one's median. Payloads are SmolLM2-135M's KV layout (30 layers,
 3 KV heads, head dim 64, block 16, fp32: 46,080 bytes per token).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/kv_transfer_bench.py [--sizes-mb 1 4 16 64 256]
@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kvtransfer.transport import get_transport  # noqa: E402
+from services.engine.kv_cache import empty_bytes  # noqa: E402
 from services.engine.kv_handle import KVHandle, LayoutFingerprint  # noqa: E402
 
 LAYOUT = LayoutFingerprint("SmolLM2-135M-Instruct", 30, 3, 64, 16, "float32")
@@ -136,8 +137,9 @@ def tcp_pull(address: str, key: str, nbytes: int, sock: list[socket.socket]) -> 
         sock.append(socket.create_connection((host, int(port))))
     s = sock[0]
     s.sendall(f"{key:<64}".encode()[:64])
-    buf = bytearray(nbytes)
-    view, got = memoryview(buf), 0
+    # NOTE: a fresh, unzeroed buffer, as the transports' receivers allocate (``empty_bytes``);
+    # a bytearray would add a zeroing pass and flatter the others
+    view, got = memoryview(empty_bytes(nbytes).numpy()).cast("B"), 0
     while got < nbytes:
         n = s.recv_into(view[got:])
         if n == 0:
@@ -145,40 +147,65 @@ def tcp_pull(address: str, key: str, nbytes: int, sock: list[socket.socket]) -> 
         got += n
 
 
-def measure(transport: str, sizes: list[float], repeats: int) -> dict[float, float]:
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", transport, "--sizes-mb", *map(str, sizes)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
-        out: dict[float, float] = {}
+class Receiver:
+    """One transport's sender process and this process's client of it."""
+
+    def __init__(self, transport: str, sizes: list[float]) -> None:
+        self.transport = transport
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", transport, "--sizes-mb", *map(str, sizes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self.address = self.proc.stdout.readline().strip()  # type: ignore[union-attr]
         raw = transport in ("tcp", "grpc-floor")
-        client = None if raw else get_transport(transport).client()
-        sock: list[socket.socket] = []
+        self.client = None if raw else get_transport(transport).client()
+        self.sock: list[socket.socket] = []
+        self.n = 0
+
+    def pull(self, mb: float, nbytes: int) -> float:
+        self.n += 1
+        t = time.perf_counter()
+        if self.transport == "grpc-floor":
+            floor_pull(self.address, f"{mb}#{self.n}")
+        elif self.client is None:
+            tcp_pull(self.address, f"{mb}", nbytes, self.sock)
+        else:
+            self.client.pull(self.address, f"{mb}#{self.n}", LAYOUT, 120.0)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.proc.stdin.close()  # type: ignore[union-attr]
+        self.proc.wait(timeout=30)
+
+
+def measure(
+    transports: list[str], sizes: list[float], repeats: int
+) -> dict[str, dict[float, float]]:
+    """GB/s (median of ``repeats``) per transport and payload. NOTE: interleaved: every
+    repeat pulls once over each transport in turn, so this machine's slow spells hit all of
+    them alike (measured one after another, the same transport drifted by 2x)."""
+    receivers = [Receiver(t, sizes) for t in transports]
+    try:
+        out: dict[str, dict[float, float]] = {t: {} for t in transports}
         for mb in sizes:
             nbytes = max(1, int(mb * (1 << 20)) // BLOCK_BYTES) * BLOCK_BYTES
-            times = []
-            for i in range(repeats + 1):  # the first one warms the connection up
-                t = time.perf_counter()
-                if transport == "grpc-floor":
-                    floor_pull(address, f"{mb}#{i}")
-                elif client is None:
-                    tcp_pull(address, f"{mb}", nbytes, sock)
-                else:
-                    client.pull(address, f"{mb}#{i}", LAYOUT, 120.0)
-                if i:
-                    times.append(time.perf_counter() - t)
-            out[mb] = nbytes / statistics.median(times) / 1e9
-        if client is not None:
-            client.close()
+            times: dict[str, list[float]] = {t: [] for t in transports}
+            for i in range(repeats + 1):  # the first round warms the connections up
+                for r in receivers:
+                    dt = r.pull(mb, nbytes)
+                    if i:
+                        times[r.transport].append(dt)
+            for t in transports:
+                out[t][mb] = nbytes / statistics.median(times[t]) / 1e9
         return out
     finally:
-        proc.stdin.close()  # type: ignore[union-attr]
-        proc.wait(timeout=30)
+        for r in receivers:
+            r.close()
 
 
 def prefill_sender(transport: str) -> None:
@@ -311,9 +338,7 @@ def main() -> int:
         for t in args.ttft_transports:
             print_ttft(t, ttft_share(t))
         return 0
-    results = {"tcp": measure("tcp", args.sizes_mb, args.repeats)}
-    for t in args.transports:
-        results[t] = measure(t, args.sizes_mb, args.repeats)
+    results = measure(["tcp", *args.transports], args.sizes_mb, args.repeats)
     print("GB/s by payload (ratio to raw loopback TCP in this run)")
     print("payload  " + "".join(f"{t:>18}" for t in results))
     for mb in args.sizes_mb:

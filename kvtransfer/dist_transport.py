@@ -48,6 +48,7 @@ from kvtransfer.stream import StreamBusyError, StreamFailedError
 from kvtransfer.transport import KVSource, StreamingKVSource
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
+from services.engine.kv_cache import empty_bytes
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 
 log = logging.getLogger(__name__)
@@ -518,7 +519,7 @@ class DistKVClient:
         n, answer = self._ask(pair, "pull", request_id, layout, end)
         header = pb.KVHeader.FromString(base64.b64decode(answer["header"]))
         wire.check_header(header, layout)
-        buf = torch.empty(header.total_bytes, dtype=torch.uint8, device=_device(self.backend))
+        buf = empty_bytes(header.total_bytes, _device(self.backend))
         for seq, (a, b) in enumerate(wire.chunk_ranges(header.total_bytes, header.chunk_bytes)):
             _recv(pair, buf[a:b], n, end)
             wire.verify_chunk(header, seq, buf[a:b])
@@ -538,7 +539,7 @@ class DistKVClient:
             what, seq, layer, a, b, nbytes, check = meta.tolist()
             if what == _PIECE:
                 asm.check(seq, layer, a, b, nbytes)
-                part = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                part = empty_bytes(nbytes, device)
                 _recv(pair, part, n, end)
                 if wire.checksum(kind, part) != check & 0xFFFF_FFFF_FFFF_FFFF:
                     raise wire.TransferError(f"piece {seq} failed its {kind} check")

@@ -16,6 +16,7 @@ import torch
 
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError
+from services.engine.kv_cache import empty_bytes
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_stream import KVPiece
 
@@ -268,8 +269,8 @@ def decode(messages: Iterable[bytes], expected: LayoutFingerprint) -> KVHandle:
     if h.shm_name:  # same-host handover: the payload is in shared memory, not in chunks
         return from_segment(h, expected)
     want_bytes = h.total_bytes
-    # NOTE: torch.empty, not bytearray: no zeroing pass over memory every chunk overwrites
-    buf = torch.empty(want_bytes, dtype=torch.uint8)
+    # NOTE: uninitialised, not a bytearray: no zeroing pass over memory every chunk overwrites
+    buf = empty_bytes(want_bytes)
     out = buf.numpy()  # the same memory; numpy reads the read-only message bytes without a copy
     offset = 0
     for seq in range(h.num_chunks):
@@ -365,10 +366,8 @@ class StreamAssembler:
         esize = torch.empty((), dtype=DTYPES[fp.dtype]).element_size()
         self.row = fp.num_kv_heads * fp.head_dim * esize  # bytes of one position of k (or v)
         slots = self.n_blocks * fp.block_size
-        # NOTE: torch.empty: no zeroing pass over memory the pieces overwrite
-        self.buf = torch.empty(
-            fp.num_layers * 2 * slots * self.row, dtype=torch.uint8, device=device
-        )
+        # NOTE: uninitialised: no zeroing pass over memory the pieces overwrite
+        self.buf = empty_bytes(fp.num_layers * 2 * slots * self.row, device)
         self.out = self.buf.view(fp.num_layers, 2, slots, self.row)
         self.out[:, :, self.n_tokens :] = 0  # the last block's unused tail: never read as context
         self._np = self.out.numpy() if self.buf.device.type == "cpu" else None
