@@ -206,3 +206,22 @@ def test_concurrent_streams_from_one_sender_do_not_wait_for_each_other(transport
     finally:
         server.stop()
     assert len(src.attached) == 2 and src.attached[0]  # the first attached while it ran
+
+
+def test_a_gloo_stream_waits_past_the_group_timeout_for_a_queued_prefill():
+    """A prefill may queue for longer than the pair's group timeout before its first piece:
+    the receiver waits on its own deadline, not the group's."""
+    from kvtransfer.dist_transport import DistKVClient, DistKVServer
+
+    h = random_handle(n_blocks=4)
+    src = DictSource({})
+    server = DistKVServer(src, "127.0.0.1", 0, "gloo", timeout_s=1.0)
+    client = DistKVClient("gloo", connect_timeout_s=1.0)
+    try:
+        stream = src.open_stream(h)
+        threading.Timer(2.5, lambda: feed(stream, h)).start()
+        got, _ = client.pull_stream(server.address, h.request_id, h.fingerprint, 10)
+        assert _same_kv(got, h)
+    finally:
+        client.close()
+        server.stop()
