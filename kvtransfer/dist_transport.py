@@ -288,7 +288,7 @@ class DistKVServer:
             return
         source.stream_attached(early)
         device = _device(self.backend)
-        kind = "crc32" if device.type == "cpu" else "sum64"
+        kind = wire.host_checksum_kind() if device.type == "cpu" else "sum64"
         header = wire.stream_header(stream.request_id, stream.fingerprint, stream.num_tokens)
         self._answer(
             store, prefix, n, {"header": base64.b64encode(header).decode(), "checksum": kind}

@@ -173,11 +173,25 @@ def chunk_ranges(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(a, min(total, a + chunk_bytes)) for a in range(0, max(total, 1), chunk_bytes)]
 
 
+def host_checksum_kind() -> str:
+    """The checksum of out-of-band host transfers: CRC-32C where its C implementation is
+    installed (about 3x zlib's CRC-32 here: it was 60% of a shared-memory pull), else CRC-32."""
+    try:
+        import google_crc32c
+    except ImportError:
+        return "crc32"
+    return "crc32c" if google_crc32c.implementation == "c" else "crc32"
+
+
 def checksum(kind: str, chunk: torch.Tensor) -> int:
-    """``crc32`` of a CPU chunk, or ``sum64`` (the int32 words' 64-bit sum plus the length,
-    computed where the chunk lives: no copy off a GPU)."""
+    """``crc32`` / ``crc32c`` of a CPU chunk, or ``sum64`` (the int32 words' 64-bit sum plus
+    the length, computed where the chunk lives: no copy off a GPU)."""
     if kind == "crc32":
         return zlib.crc32(memoryview(chunk.numpy()).cast("B"))
+    if kind == "crc32c":
+        import google_crc32c
+
+        return google_crc32c.value(chunk.numpy())
     if kind == "sum64":
         words = chunk[: chunk.numel() // 4 * 4].view(torch.int32)
         tail = chunk[chunk.numel() // 4 * 4 :].to(torch.int64).sum()
@@ -190,7 +204,7 @@ def header_for(
     handle: KVHandle, data: torch.Tensor, chunk_bytes: int, kind: str | None = None
 ) -> pb.KVHeader:
     """The header of an out-of-band transfer: sizes and each chunk's checksum."""
-    kind = kind or ("crc32" if data.device.type == "cpu" else "sum64")
+    kind = kind or (host_checksum_kind() if data.device.type == "cpu" else "sum64")
     ranges = chunk_ranges(data.numel(), chunk_bytes)
     header = _header(handle, data.numel(), len(ranges))
     header.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES

@@ -1,5 +1,5 @@
 """The hand-framed data messages are exact protobuf: any protobuf reader parses them, and
-``wire`` reads what protobuf writes."""
+``wire`` reads what protobuf writes; the host checksums are the standard ones."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import zlib
 
 import pytest
+import torch
 
 from kvtransfer import wire
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
@@ -40,3 +41,17 @@ def test_other_messages_and_damage():
     for bad in (raw[:-3], raw + b"\x00", raw[:1] + b"\xff" * 12):
         with pytest.raises(wire.TransferError, match="malformed"):
             wire.read_data_frame(bad, 2)
+
+
+@pytest.mark.parametrize(("kind", "check"), [("crc32", 0xCBF43926), ("crc32c", 0xE3069283)])
+def test_host_checksums_match_their_standard_check_values(kind, check):
+    chunk = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+    assert wire.checksum(kind, chunk) == check  # the catalogue's check value for "123456789"
+    chunk[4] ^= 1
+    assert wire.checksum(kind, chunk) != check
+
+
+def test_out_of_band_host_transfers_use_crc32c_when_its_c_code_is_installed():
+    # NOTE: deploy/setup.sh installs google-crc32c; a pure-Python fallback would be slower
+    # than zlib, so the kind falls back to crc32 then
+    assert wire.host_checksum_kind() == "crc32c"
