@@ -1,6 +1,7 @@
 """A KV sender in its own process, for the killed-sender contract test: serves one random
 handle ("r") with the named transport, slowly (so it can be killed mid-transfer), and prints
-its address. Run: python -m tests.kvtransfer.sender_proc <transport> <n_blocks>"""
+its address. Run: python -m tests.kvtransfer.sender_proc <transport> <n_blocks> [stream]
+(stream: a layer-wise stream of "r", fed one piece per 0.2 s, as a slow prefill would)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import torch
 
 from kvtransfer.transport import get_transport
-from tests.kvtransfer.kv_fixtures import DictSource, random_handle
+from tests.kvtransfer.kv_fixtures import DictSource, feed, random_handle
 
 
 def main() -> None:
@@ -29,8 +30,13 @@ def main() -> None:
     hook = (
         {"chunk_hook": slow_chunk} if name in ("gloo", "nccl") else {"message_hook": slow_message}
     )
-    opts = {"chunk_bytes": 1 << 20, **hook}
-    server = get_transport(name).serve(DictSource({"r": h}), "127.0.0.1", 0, **opts)
+    if sys.argv[3:] == ["stream"]:
+        src = DictSource({})
+        server = get_transport(name).serve(src, "127.0.0.1", 0)
+        feed(src.open_stream(h), h, chunks=4, delay_s=0.2)
+    else:
+        opts = {"chunk_bytes": 1 << 20, **hook}
+        server = get_transport(name).serve(DictSource({"r": h}), "127.0.0.1", 0, **opts)
     print(server.address, flush=True)
     time.sleep(3600)
 

@@ -1,13 +1,18 @@
 """The layer-wise stream contract (every transport streams: grpc, shm, gloo for nccl): a stream fed
 while the receiver reads gives byte-exact KV, and ends once the sender finishes; a
-corrupted piece, a failed prefill, a stalled or stopped sender, a wrong layout, an unknown
-request and a second receiver all fail cleanly."""
+corrupted piece, a failed prefill, a stalled, stopped or killed sender, a wrong layout, an unknown
+request and a second receiver all fail cleanly; concurrent streams from one sender do not
+wait for each other."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +24,7 @@ from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from tests.kvtransfer.kv_fixtures import DictSource, feed, random_handle
 
+REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = [
     dict(),
     dict(layers=30, kv_heads=3, head_dim=64, block_size=16, n_blocks=9),  # SmolLM2's layout
@@ -225,3 +231,27 @@ def test_a_gloo_stream_waits_past_the_group_timeout_for_a_queued_prefill():
     finally:
         client.close()
         server.stop()
+
+
+def test_a_killed_sender_fails_the_stream_at_once_and_leaves_nothing(transport):
+    t, client = transport
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.kvtransfer.sender_proc", t.name, "40", "stream"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert address, "the sender did not start"
+        fp = random_handle(layers=30, kv_heads=3, head_dim=64, block_size=16).fingerprint
+        threading.Timer(1.5, proc.kill).start()  # mid-stream: a piece per 0.2 s, 120 pieces
+        t0 = time.monotonic()
+        with pytest.raises((TransferError, TimeoutError)):
+            client.pull_stream(address, "r", fp, timeout_s=60)
+        assert time.monotonic() - t0 < 20  # the broken connection, not the 60 s deadline
+    finally:
+        proc.kill()
+        proc.wait()
+    assert getattr(client, "num_pairs", 0) == 0  # gloo: the broken pair is closed
