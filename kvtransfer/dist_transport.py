@@ -436,25 +436,27 @@ class DistKVClient:
             return _Pair(address, self.backend, self.connect_timeout_s)
         except Exception as e:
             with self._cond:
-                self._count[address] -= 1
-                self._cond.notify_all()
+                self._uncount(address)
             raise wire.TransferError(f"KV pair with {address} did not form: {e}") from None
+
+    def _uncount(self, address: str) -> None:
+        """Under the lock: one pair to ``address`` fewer (a waiting transfer may open one)."""
+        self._count[address] -= 1
+        if not self._count[address]:
+            del self._count[address]
+        self._cond.notify_all()
 
     def _forget(self, pair: _Pair) -> _Pair:
         """Under the lock: take an idle ``pair`` out of the books (the caller closes it)."""
         del self._idle[pair]
-        self._count[pair.address] -= 1
-        if not self._count[pair.address]:
-            del self._count[pair.address]
+        self._uncount(pair.address)
         return pair
 
     def _drop(self, pair: _Pair) -> None:
         """A pair in use that must not carry another transfer (a half-read message stream
         would shift every later one): close it; the next transfer opens a fresh one."""
         with self._cond:
-            self._count[pair.address] -= 1
-            if not self._count[pair.address]:
-                del self._count[pair.address]
+            self._uncount(pair.address)
         pair.close()
 
     def _transfer(self, address: str, end: float, run: Callable[[_Pair], Any]) -> Any:

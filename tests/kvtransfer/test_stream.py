@@ -255,3 +255,30 @@ def test_a_killed_sender_fails_the_stream_at_once_and_leaves_nothing(transport):
         proc.kill()
         proc.wait()
     assert getattr(client, "num_pairs", 0) == 0  # gloo: the broken pair is closed
+
+
+def test_gloo_pairs_per_peer_bound_concurrent_streams():
+    """At most ``pairs_per_peer`` pairs to one sender: a third concurrent stream waits for a
+    pair to free up, then arrives intact."""
+    from kvtransfer.dist_transport import DistKVClient
+
+    t = get_transport("gloo")
+    handles = [dataclasses.replace(random_handle(), request_id=f"r{i}") for i in range(3)]
+    src = DictSource({})
+    server = t.serve(src, "127.0.0.1", 0)
+    client = DistKVClient("gloo", pairs_per_peer=2)
+    try:
+        streams = [src.open_stream(h) for h in handles]
+        pulls = []
+        for h in handles:
+            pulls.append(_pull_in_thread(client, server.address, h.request_id, h.fingerprint))
+            time.sleep(0.3)
+        assert client.num_pairs == 2 and len(src.attached) == 2  # the third is waiting
+        for stream, h, (th, box) in zip(streams, handles, pulls, strict=True):
+            feed(stream, h).join()
+            th.join(10)
+            assert _same_kv(box["result"][0], h)
+        assert client.num_pairs == 2 and len(src.attached) == 3
+    finally:
+        client.close()
+        server.stop()
