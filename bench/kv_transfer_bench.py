@@ -45,13 +45,23 @@ def handle(mb: float) -> KVHandle:
 
 
 class Source:
+    """Serves fixed handles (any ``<key>#<n>`` id names the handle ``<key>``) and the
+    layer-wise streams put in ``streams``."""
+
     def __init__(self, handles: dict[str, KVHandle]) -> None:
         self.handles = handles
+        self.streams: dict[str, Any] = {}
 
     def get(self, request_id: str) -> KVHandle | None:
         return self.handles.get(request_id.split("#")[0])
 
     def release(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    def stream(self, request_id: str) -> Any:
+        return self.streams.get(request_id)
+
+    def stream_attached(self, early: bool) -> None:
         pass
 
 
