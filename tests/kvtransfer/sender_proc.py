@@ -5,13 +5,32 @@ its address. Run: python -m tests.kvtransfer.sender_proc <transport> <n_blocks> 
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from kvtransfer.transport import get_transport
 from tests.kvtransfer.kv_fixtures import DictSource, feed, random_handle
+
+
+def start(transport: str, n_blocks: int, *mode: str) -> tuple[subprocess.Popen[str], str]:
+    """Run this module in a child process; returns it and the address it serves at."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.kvtransfer.sender_proc", transport, str(n_blocks), *mode],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+    if not address:
+        proc.kill()
+        raise RuntimeError("the sender did not start")
+    return proc, address
 
 
 def main() -> None:

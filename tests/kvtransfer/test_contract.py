@@ -6,11 +6,7 @@ refused cleanly, release freeing the sender's blocks."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +16,9 @@ from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
+from tests.kvtransfer import sender_proc
 from tests.kvtransfer.kv_fixtures import DictSource, random_handle
 
-REPO = Path(__file__).resolve().parents[2]
 TRANSPORTS = ["grpc", "shm", "gloo"]
 
 
@@ -125,16 +121,8 @@ def test_mismatched_layout_and_unknown_requests_are_refused_and_release_frees(tr
 def test_a_killed_sender_fails_the_pull_within_its_deadline(transport):
     t, client = transport
     before = _segments()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.kvtransfer.sender_proc", t.name, "400"],  # ~92 MB
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc, address = sender_proc.start(t.name, 400)  # ~92 MB
     try:
-        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
-        assert address, "the sender did not start"
         fp = random_handle(
             layers=30, kv_heads=3, head_dim=64, block_size=16, n_blocks=400
         ).fingerprint

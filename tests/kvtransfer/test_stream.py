@@ -7,12 +7,8 @@ wait for each other."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +18,9 @@ from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
+from tests.kvtransfer import sender_proc
 from tests.kvtransfer.kv_fixtures import DictSource, feed, random_handle
 
-REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = [
     dict(),
     dict(layers=30, kv_heads=3, head_dim=64, block_size=16, n_blocks=9),  # SmolLM2's layout
@@ -235,16 +231,8 @@ def test_a_gloo_stream_waits_past_the_group_timeout_for_a_queued_prefill():
 
 def test_a_killed_sender_fails_the_stream_at_once_and_leaves_nothing(transport):
     t, client = transport
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.kvtransfer.sender_proc", t.name, "40", "stream"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc, address = sender_proc.start(t.name, 40, "stream")
     try:
-        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
-        assert address, "the sender did not start"
         fp = random_handle(layers=30, kv_heads=3, head_dim=64, block_size=16).fingerprint
         threading.Timer(1.5, proc.kill).start()  # mid-stream: a piece per 0.2 s, 120 pieces
         t0 = time.monotonic()
