@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer import wire
-from kvtransfer.stream import StreamBusyError, StreamFailedError
-from kvtransfer.transport import KVSource, StreamingKVSource
+from kvtransfer.stream import StreamBusyError, StreamFailedError, attach_receiver
+from kvtransfer.transport import KVSource
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from services.engine.kv_cache import empty_bytes
@@ -270,23 +270,19 @@ class DistKVServer:
     def _stream(self, pg: Any, store: Any, prefix: str, n: int, msg: dict[str, Any]) -> None:
         """A layer-wise stream: the answer names what to allocate, then one ``_meta`` and
         (for a piece) its data per message over the group, until the end or a failure."""
-        source = self.source
         rid = msg["request_id"]
-        stream = source.stream(rid) if isinstance(source, StreamingKVSource) else None
-        if stream is None:
+        want = wire.layout_from_proto(pb.KVLayout.FromString(base64.b64decode(msg["layout"])))
+        try:
+            stream = attach_receiver(self.source, rid, want)
+        except UnknownRequestError:
             self._answer(store, prefix, n, {"error": "not_found", "detail": rid})
             return
-        want = pb.KVLayout.FromString(base64.b64decode(msg["layout"]))
-        try:
-            wire.check_layout(stream.fingerprint, wire.layout_from_proto(want))
-            early = stream.attach()
         except LayoutMismatchError as e:
             self._answer(store, prefix, n, {"error": "layout", "detail": str(e)})
             return
         except StreamBusyError as e:
             self._answer(store, prefix, n, {"error": "busy", "detail": str(e)})
             return
-        source.stream_attached(early)
         device = _device(self.backend)
         kind = wire.host_checksum_kind() if device.type == "cpu" else "sum64"
         header = wire.stream_header(stream.request_id, stream.fingerprint, stream.num_tokens)
@@ -296,15 +292,16 @@ class DistKVServer:
         closed = f"{prefix}q/{n + 1}"  # NOTE: a receiver that gives up closes the pair there
         deadline = time.monotonic() + float(msg.get("timeout_s") or self.timeout_s)
         seq = 0
-        stopped = "the prefill replica's KV server stopped"
 
         def alive() -> bool:
             return not self._stopped.is_set() and not store.check([closed])
 
         try:
+            # NOTE: a stop ends the stream whether pieces are flowing or it is waiting for one;
+            # the receiver learns at once, not at its deadline
             for item in stream.events(deadline, alive):
                 if self._stopped.is_set():
-                    raise StreamFailedError(stopped)
+                    break
                 if isinstance(item, KVHandle):
                     trailer = wire.stream_trailer(item, seq, stream.finished_unix)
                     self._send_bytes(pg, n, _END, trailer)
@@ -318,8 +315,8 @@ class DistKVServer:
                     pg.send([meta.to(device)], 1, n).wait()
                     pg.send([sent], 1, n).wait()
                     seq += 1
-            if self._stopped.is_set():  # NOTE: the receiver learns at once, not at its deadline
-                self._send_bytes(pg, n, _FAILED, stopped.encode())
+            if self._stopped.is_set():
+                raise StreamFailedError("the prefill replica's KV server stopped")
         except StreamFailedError as e:
             self._send_bytes(pg, n, _FAILED, str(e).encode())
         except TimeoutError as e:

@@ -25,8 +25,8 @@ from typing import Any
 import grpc
 
 from kvtransfer import shm, wire
-from kvtransfer.stream import StreamBusyError, StreamFailedError
-from kvtransfer.transport import KVSource, StreamingKVSource
+from kvtransfer.stream import StreamBusyError, StreamFailedError, attach_receiver
+from kvtransfer.transport import KVSource
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
@@ -89,23 +89,15 @@ class _Servicer:
     def StreamKV(
         self, request: pb.StreamKVRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
-        source = self.source
-        stream = (
-            source.stream(request.request_id) if isinstance(source, StreamingKVSource) else None
-        )
-        if stream is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND, f"no KV stream open for request {request.request_id!r}"
-            )
+        want = wire.layout_from_proto(request.layout)
         try:
-            wire.check_layout(stream.fingerprint, wire.layout_from_proto(request.layout))
+            stream = attach_receiver(self.source, request.request_id, want)
+        except UnknownRequestError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except LayoutMismatchError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        try:
-            early = stream.attach()
         except StreamBusyError as e:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        source.stream_attached(early)
         yield self._hooked(
             wire.stream_header(stream.request_id, stream.fingerprint, stream.num_tokens),
             pb.StreamKVResponse,

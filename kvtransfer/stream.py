@@ -20,7 +20,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from kvtransfer.wire import TransferError
+from kvtransfer.wire import TransferError, check_layout
+from services.engine.errors import UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_stream import KVPiece
 
@@ -32,6 +33,26 @@ class StreamFailedError(TransferError):
 
 class StreamBusyError(Exception):
     """The stream already has a receiver."""
+
+
+def attach_receiver(source: object, request_id: str, want: LayoutFingerprint) -> KVStream:
+    """What every transport server does when a receiver asks for a stream: find it, check the
+    receiver's layout, make it the stream's one receiver, and count it (early or late).
+
+    Raises:
+        UnknownRequestError: ``source`` has no open stream for the request.
+        LayoutMismatchError: the receiver's layout differs.
+        StreamBusyError: the stream already has a receiver.
+    """
+    from kvtransfer.transport import StreamingKVSource  # NOTE: transport names KVStream
+
+    stream = source.stream(request_id) if isinstance(source, StreamingKVSource) else None
+    if stream is None:
+        raise UnknownRequestError(f"no KV stream open for request {request_id!r}")
+    check_layout(stream.fingerprint, want)
+    early = stream.attach()
+    source.stream_attached(early)
+    return stream
 
 
 class KVStream:

@@ -20,6 +20,11 @@ from services.engine.kv_cache import empty_bytes
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_stream import KVPiece
 
+try:
+    import google_crc32c
+except ImportError:  # NOTE: installed by deploy/setup.sh; without it host transfers use crc32
+    google_crc32c = None
+
 DEFAULT_CHUNK_BYTES = 512 << 10
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -176,11 +181,13 @@ def chunk_ranges(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
 def host_checksum_kind() -> str:
     """The checksum of out-of-band host transfers: CRC-32C where its C implementation is
     installed (about 3x zlib's CRC-32 here: it was 60% of a shared-memory pull), else CRC-32."""
-    try:
-        import google_crc32c
-    except ImportError:
-        return "crc32"
-    return "crc32c" if google_crc32c.implementation == "c" else "crc32"
+    return _HOST_CHECKSUM
+
+
+# NOTE: decided once: a pure-Python CRC-32C fallback would be far slower than zlib's CRC-32
+_HOST_CHECKSUM = (
+    "crc32c" if google_crc32c is not None and google_crc32c.implementation == "c" else "crc32"
+)
 
 
 def checksum(kind: str, chunk: torch.Tensor) -> int:
@@ -189,8 +196,8 @@ def checksum(kind: str, chunk: torch.Tensor) -> int:
     if kind == "crc32":
         return zlib.crc32(memoryview(chunk.numpy()).cast("B"))
     if kind == "crc32c":
-        import google_crc32c
-
+        if google_crc32c is None:
+            raise TransferError("checksum crc32c needs the google-crc32c package")
         return google_crc32c.value(chunk.numpy())
     if kind == "sum64":
         words = chunk[: chunk.numel() // 4 * 4].view(torch.int32)

@@ -41,10 +41,9 @@ def test_a_request_added_across_the_idle_wait_timeout_gets_its_output(
     try:
         time.sleep(0.1)  # the loop thread is in its idle wait
         one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        t = time.perf_counter()
+        # NOTE: a dropped output raises EngineStalledError here (the stall deadline)
         tokens = asyncio.run(collect(ae, "r0", one))
         assert len(tokens) == 1
-        assert time.perf_counter() - t < 8.0, "the output was delivered only by the stall path"
     finally:
         ae.stop()
 

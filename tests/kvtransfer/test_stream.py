@@ -235,10 +235,9 @@ def test_a_killed_sender_fails_the_stream_at_once_and_leaves_nothing(transport):
     try:
         fp = random_handle(layers=30, kv_heads=3, head_dim=64, block_size=16).fingerprint
         threading.Timer(1.5, proc.kill).start()  # mid-stream: a piece per 0.2 s, 120 pieces
-        t0 = time.monotonic()
-        with pytest.raises((TransferError, TimeoutError)):
+        # the broken connection fails it (TransferError), not the 60 s deadline (TimeoutError)
+        with pytest.raises(TransferError):
             client.pull_stream(address, "r", fp, timeout_s=60)
-        assert time.monotonic() - t0 < 20  # the broken connection, not the 60 s deadline
     finally:
         proc.kill()
         proc.wait()
