@@ -1,6 +1,6 @@
 """KV handle <-> wire messages (proto ``pdserve.v1.KVTransfer``): header, then CRC-checked chunks.
 
-Invariant: a receiver either returns a handle whose every byte passed its chunk's CRC-32 and
+Invariant: a receiver either returns a handle whose every byte passed its chunk's checksum and
 whose layout equals the receiver's own, or raises; it never returns partial or unchecked KV.
 """
 
@@ -25,7 +25,11 @@ try:
 except ImportError:  # NOTE: installed by deploy/setup.sh; without it host transfers use crc32
     google_crc32c = None
 
-DEFAULT_CHUNK_BYTES = 512 << 10
+# NOTE: 2 MiB: against 512 KiB the sender spends about a tenth less CPU per GB (fewer
+# messages, each a Python-level hand-off), and grpc, gloo and gRPC's own floor all moved
+# 15-20% faster at 64-256 MB in interleaved runs (BENCHMARKS.md); still far under every
+# message limit, and one layer's piece of a 512-token prefill chunk (786 KB) stays whole
+DEFAULT_CHUNK_BYTES = 2 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -90,15 +94,45 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+# The (crc32, crc32c) field numbers of each data message: a frame sets exactly one of them.
+CHUNK_CRC = (3, 4)  # KVChunk
+PIECE_CRC = (6, 7)  # KVLayerPiece
+
+
 def data_frame(
-    outer: int, fields: Iterable[tuple[int, int]], data_field: int, data: memoryview, crc_field: int
+    outer: int,
+    fields: Iterable[tuple[int, int]],
+    data_field: int,
+    data: memoryview,
+    crc_fields: tuple[int, int],
+    kind: str | None = None,
 ) -> bytes:
-    """The encoding of ``{outer: {fields..., data_field: data, crc_field: crc32(data)}}``."""
+    """The encoding of ``{outer: {fields..., data_field: data, <checksum field>: its
+    checksum}}``: CRC-32C (the second of ``crc_fields``) where its C code is installed, else
+    CRC-32 (``kind`` forces one)."""
+    kind = kind or _HOST_CHECKSUM
+    crc_field = crc_fields[kind == "crc32c"]
     head = b"".join(_varint(f << 3) + _varint(v) for f, v in fields if v)
     data_tag = _varint(data_field << 3 | 2) + _varint(len(data))
-    tail = _varint(crc_field << 3 | 5) + struct.pack("<I", zlib.crc32(data))
+    tail = _varint(crc_field << 3 | 5) + struct.pack("<I", crc(kind, data))
     inner = len(head) + len(data_tag) + len(data) + len(tail)
     return b"".join((_varint(outer << 3 | 2), _varint(inner), head, data_tag, data, tail))
+
+
+def check_frame(
+    fields: dict[int, int], data: memoryview, crc_fields: tuple[int, int], what: str
+) -> None:
+    """Raises TransferError unless the frame's checksum, of whichever kind it carries,
+    matches ``data``."""
+    c32, c32c = crc_fields
+    if c32c in fields:
+        kind, want = "crc32c", fields[c32c]
+    elif c32 in fields:
+        kind, want = "crc32", fields[c32]
+    else:
+        raise TransferError(f"{what} carries no checksum")
+    if crc(kind, data) != want:
+        raise TransferError(f"{what} failed its {kind} check")
 
 
 def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
@@ -164,8 +198,9 @@ def encode(handle: KVHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator
     n_chunks = max(1, -(-total // chunk_bytes))
     yield pb.PullKVResponse(header=_header(handle, total, n_chunks)).SerializeToString()
     for seq in range(n_chunks):
-        # PullKVResponse.chunk = 2 {seq = 1, data = 2, crc32 = 3}
-        yield data_frame(2, ((1, seq),), 2, payload[seq * chunk_bytes : (seq + 1) * chunk_bytes], 3)
+        # PullKVResponse.chunk = 2 {seq = 1, data = 2, crc32 = 3 | crc32c = 4}
+        data = payload[seq * chunk_bytes : (seq + 1) * chunk_bytes]
+        yield data_frame(2, ((1, seq),), 2, data, CHUNK_CRC)
 
 
 def payload(handle: KVHandle) -> torch.Tensor:
@@ -179,8 +214,10 @@ def chunk_ranges(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
 
 
 def host_checksum_kind() -> str:
-    """The checksum of out-of-band host transfers: CRC-32C where its C implementation is
-    installed (about 3x zlib's CRC-32 here: it was 60% of a shared-memory pull), else CRC-32."""
+    """The checksum of host bytes on every transport (gRPC messages, shared-memory segments,
+    gloo chunks): CRC-32C where its C implementation is installed (about 3x zlib's CRC-32
+    here: it was 60% of a shared-memory pull and a third of a gRPC receiver's CPU), else
+    CRC-32. Receivers check either kind, whatever they would send."""
     return _HOST_CHECKSUM
 
 
@@ -190,21 +227,27 @@ _HOST_CHECKSUM = (
 )
 
 
-def checksum(kind: str, chunk: torch.Tensor) -> int:
-    """``crc32`` / ``crc32c`` of a CPU chunk, or ``sum64`` (the int32 words' 64-bit sum plus
-    the length, computed where the chunk lives: no copy off a GPU)."""
+def crc(kind: str, data: memoryview | np.ndarray) -> int:
+    """``crc32`` (zlib) or ``crc32c`` of host bytes, read in place."""
     if kind == "crc32":
-        return zlib.crc32(memoryview(chunk.numpy()).cast("B"))
+        return zlib.crc32(data)
     if kind == "crc32c":
         if google_crc32c is None:
             raise TransferError("checksum crc32c needs the google-crc32c package")
-        return google_crc32c.value(chunk.numpy())
+        # NOTE: its C code takes numpy arrays and bytes, not memoryviews; frombuffer is a view
+        return google_crc32c.value(np.frombuffer(data, dtype=np.uint8))
+    raise TransferError(f"unknown checksum {kind!r}")
+
+
+def checksum(kind: str, chunk: torch.Tensor) -> int:
+    """``crc32`` / ``crc32c`` of a CPU chunk, or ``sum64`` (the int32 words' 64-bit sum plus
+    the length, computed where the chunk lives: no copy off a GPU)."""
     if kind == "sum64":
         words = chunk[: chunk.numel() // 4 * 4].view(torch.int32)
         tail = chunk[chunk.numel() // 4 * 4 :].to(torch.int64).sum()
         total = words.sum(dtype=torch.int64) + tail + chunk.numel()
         return int(total.item()) & 0xFFFF_FFFF_FFFF_FFFF
-    raise TransferError(f"unknown checksum {kind!r}")
+    return crc(kind, chunk.numpy())
 
 
 def header_for(
@@ -302,8 +345,7 @@ def decode(messages: Iterable[bytes], expected: LayoutFingerprint) -> KVHandle:
         fields, data = frame
         if fields.get(1, 0) != seq:
             raise TransferError(f"chunk {fields.get(1, 0)} arrived where {seq} was due")
-        if zlib.crc32(data) != fields.get(3, 0):
-            raise TransferError(f"chunk {seq} failed its CRC-32 check")
+        check_frame(fields, data, CHUNK_CRC, f"chunk {seq}")
         end = offset + len(data)
         if end > want_bytes:
             raise TransferError("chunks carry more bytes than the header announced")
@@ -350,13 +392,14 @@ def piece_frames(piece: KVPiece, first_seq: int, max_bytes: int) -> list[bytes]:
     if piece.data.device.type != "cpu":
         piece = dataclasses.replace(piece, data=piece.data.cpu())
     return [
-        # StreamKVResponse.piece = 2 {seq, layer, token_start, token_end, data = 5, crc32 = 6}
+        # StreamKVResponse.piece = 2 {seq, layer, token_start, token_end, data = 5,
+        # crc32 = 6 | crc32c = 7}
         data_frame(
             2,
             ((1, seq), (2, piece.layer), (3, a), (4, b)),
             5,
             memoryview(part.numpy()).cast("B"),
-            6,
+            PIECE_CRC,
         )
         for seq, (a, b, part) in enumerate(piece_parts(piece, max_bytes), first_seq)
     ]
@@ -433,7 +476,7 @@ class StreamAssembler:
 
 def decode_stream(messages: Iterable[bytes], expected: LayoutFingerprint) -> tuple[KVHandle, float]:
     """Rebuild a handle from a ``StreamKV`` stream (``StreamAssembler``); returns it and the
-    sender's ``finished_unix``. Every piece must pass its CRC-32."""
+    sender's ``finished_unix``. Every piece must pass its checksum."""
     it = iter(messages)
     raw = next(it, None)
     first = pb.StreamKVResponse.FromString(raw) if raw is not None else None
@@ -450,7 +493,6 @@ def decode_stream(messages: Iterable[bytes], expected: LayoutFingerprint) -> tup
         f, data = frame
         seq, layer, a, b = f.get(1, 0), f.get(2, 0), f.get(3, 0), f.get(4, 0)
         asm.check(seq, layer, a, b, len(data))
-        if zlib.crc32(data) != f.get(6, 0):
-            raise TransferError(f"piece {seq} failed its CRC-32 check")
+        check_frame(f, data, PIECE_CRC, f"piece {seq}")
         asm.place(layer, a, b, data)
     raise TransferError(f"stream ended after {asm.seq} pieces, without its trailer")

@@ -6,38 +6,65 @@ from __future__ import annotations
 import os
 import zlib
 
+import google_crc32c
 import pytest
 import torch
 
 from kvtransfer import wire
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 
+CRC = {"crc32": zlib.crc32, "crc32c": lambda b: google_crc32c.value(bytes(b))}
 
+
+@pytest.mark.parametrize("kind", ["crc32", "crc32c"])
 @pytest.mark.parametrize("seq", [0, 1, 300, 2**32 - 1])
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 70_000])
-def test_chunk_frames_are_protobuf_both_ways(seq, size):
+def test_chunk_frames_are_protobuf_both_ways(seq, size, kind):
     data = os.urandom(size)
-    raw = wire.data_frame(2, ((1, seq),), 2, memoryview(data), 3)
+    raw = wire.data_frame(2, ((1, seq),), 2, memoryview(data), wire.CHUNK_CRC, kind)
     msg = pb.PullKVResponse.FromString(raw)
     assert msg.WhichOneof("msg") == "chunk"
-    assert (msg.chunk.seq, msg.chunk.data, msg.chunk.crc32) == (seq, data, zlib.crc32(data))
+    assert (msg.chunk.seq, msg.chunk.data) == (seq, data)
+    # exactly the field of its kind is set (an empty chunk's CRC is 0: presence still shows)
+    assert msg.chunk.WhichOneof("_crc32c" if kind == "crc32c" else "_crc32") is not None
+    assert msg.chunk.WhichOneof("_crc32" if kind == "crc32c" else "_crc32c") is None
+    assert getattr(msg.chunk, kind) == CRC[kind](data)
     fields, view = wire.read_data_frame(msg.SerializeToString(), 2)
-    assert bytes(view) == data and fields.get(1, 0) == seq and fields.get(3, 0) == zlib.crc32(data)
+    assert bytes(view) == data and fields.get(1, 0) == seq
+    wire.check_frame(fields, view, wire.CHUNK_CRC, "chunk")  # passes
+
+
+def test_senders_use_crc32c_and_receivers_check_either_kind():
+    data = os.urandom(5000)
+    fields, view = wire.read_data_frame(wire.data_frame(2, (), 2, memoryview(data), (3, 4)), 2)
+    assert fields == {4: CRC["crc32c"](data)}  # the default kind where its C code is installed
+    for kind in ("crc32", "crc32c"):  # e.g. a sender without google-crc32c's C code
+        raw = pb.PullKVResponse(chunk=pb.KVChunk(seq=0, data=data, **{kind: CRC[kind](data)}))
+        fields, view = wire.read_data_frame(raw.SerializeToString(), 2)
+        wire.check_frame(fields, view, wire.CHUNK_CRC, "chunk 0")
+        fields[3 if kind == "crc32" else 4] ^= 1
+        with pytest.raises(wire.TransferError, match=f"chunk 0 failed its {kind} check"):
+            wire.check_frame(fields, view, wire.CHUNK_CRC, "chunk 0")
+    raw = pb.PullKVResponse(chunk=pb.KVChunk(seq=0, data=data)).SerializeToString()
+    fields, view = wire.read_data_frame(raw, 2)
+    with pytest.raises(wire.TransferError, match="chunk 0 carries no checksum"):
+        wire.check_frame(fields, view, wire.CHUNK_CRC, "chunk 0")
 
 
 def test_piece_frames_are_protobuf_both_ways():
     data = os.urandom(4096)
-    raw = wire.data_frame(2, ((1, 5), (2, 29), (3, 0), (4, 2048)), 5, memoryview(data), 6)
-    p = pb.StreamKVResponse.FromString(raw).piece
+    frame = wire.data_frame(2, ((1, 5), (2, 29), (3, 0), (4, 2048)), 5, memoryview(data), (6, 7))
+    p = pb.StreamKVResponse.FromString(frame).piece
     assert (p.seq, p.layer, p.token_start, p.token_end, p.data) == (5, 29, 0, 2048, data)
-    fields, view = wire.read_data_frame(raw, 2)
-    assert fields == {1: 5, 2: 29, 4: 2048, 6: zlib.crc32(data)} and bytes(view) == data
+    assert p.crc32c == CRC["crc32c"](data) and not p.HasField("crc32")
+    fields, view = wire.read_data_frame(frame, 2)
+    assert fields == {1: 5, 2: 29, 4: 2048, 7: CRC["crc32c"](data)} and bytes(view) == data
 
 
 def test_other_messages_and_damage():
     header = pb.PullKVResponse(header=pb.KVHeader(request_id="r")).SerializeToString()
     assert wire.read_data_frame(header, 2) is None  # a header: protobuf parses it
-    raw = wire.data_frame(2, ((1, 1),), 2, memoryview(b"abc" * 100), 3)
+    raw = wire.data_frame(2, ((1, 1),), 2, memoryview(b"abc" * 100), wire.CHUNK_CRC)
     for bad in (raw[:-3], raw + b"\x00", raw[:1] + b"\xff" * 12):
         with pytest.raises(wire.TransferError, match="malformed"):
             wire.read_data_frame(bad, 2)
@@ -51,7 +78,7 @@ def test_host_checksums_match_their_standard_check_values(kind, check):
     assert wire.checksum(kind, chunk) != check
 
 
-def test_out_of_band_host_transfers_use_crc32c_when_its_c_code_is_installed():
+def test_host_transfers_use_crc32c_when_its_c_code_is_installed():
     # NOTE: deploy/setup.sh installs google-crc32c; a pure-Python fallback would be slower
     # than zlib, so the kind falls back to crc32 then
     assert wire.host_checksum_kind() == "crc32c"

@@ -67,14 +67,16 @@ class KVHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., first_logprob: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum: _Optional[str] = ..., shm_name: _Optional[str] = ..., finished_unix: _Optional[float] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("seq", "data", "crc32")
+    __slots__ = ("seq", "data", "crc32", "crc32c")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     seq: int
     data: bytes
     crc32: int
-    def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class PullKVResponse(_message.Message):
     __slots__ = ("header", "chunk")
@@ -93,20 +95,22 @@ class StreamKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class KVLayerPiece(_message.Message):
-    __slots__ = ("seq", "layer", "token_start", "token_end", "data", "crc32")
+    __slots__ = ("seq", "layer", "token_start", "token_end", "data", "crc32", "crc32c")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_END_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     seq: int
     layer: int
     token_start: int
     token_end: int
     data: bytes
     crc32: int
-    def __init__(self, seq: _Optional[int] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, seq: _Optional[int] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class StreamKVResponse(_message.Message):
     __slots__ = ("header", "piece", "trailer")
