@@ -3,14 +3,14 @@
 Lifecycle of one transfer:
 1. The decode side calls ``PullKV(request_id, its layout)`` with a deadline.
 2. The server looks the request up in its ``KVSource``: NOT_FOUND if absent,
-   FAILED_PRECONDITION if the layouts differ; else it streams a header and CRC-32'd chunks.
+   FAILED_PRECONDITION if the layouts differ; else it streams a header and checksummed chunks.
 3. The client verifies every chunk (``wire.decode``) and returns the handle, or raises.
 4. The decode side calls ``ReleaseKV`` once the blocks are placed (or it gave up); the
    prefill side's hold timeout frees them if that never comes.
 
 Layer-wise (``StreamKV``): the prefill replica opens a stream before it names its address; the
 decode side calls ``StreamKV`` at once and gets a header (what to allocate), pieces (one layer,
-a run of positions, CRC-32'd) while the prefill runs, and a trailer (the first token, the count
+a run of positions, checksummed) while the prefill runs, and a trailer (the first token, the count
 of pieces) when it ends; then ``ReleaseKV`` as above.
 """
 
@@ -23,6 +23,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import grpc.experimental
 
 from kvtransfer import shm, wire
 from kvtransfer.stream import StreamBusyError, StreamFailedError, attach_receiver
@@ -38,6 +39,10 @@ _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.lookahead_bytes", 16 << 20),
 ]
+# NOTE: the consuming thread polls its own data stream instead of being handed each message
+# by the channel's spin thread: one thread switch (and GIL hand-off) less per message; the
+# receiver's CPU per GB drops by about a tenth here
+_CLIENT_OPTIONS = [*_OPTIONS, (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 
 # test hook over every outgoing message, parsed (fault injection; slows the server down)
 MessageHook = Callable[[Any], Any]
@@ -193,7 +198,7 @@ class _Calls:
     costs more than a small pull)."""
 
     def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=_CLIENT_OPTIONS)
         # NOTE: no response deserializer on the data streams: ``wire`` reads the raw frames
         # without a copy
         self.pull = self.channel.unary_stream(
