@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+
+from services.engine.host_buffers import HOST_BUFFERS
 
 
 def empty_bytes(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """An uninitialised 1-D uint8 tensor for a large buffer written once (received KV, an
-    export). NOTE: on the host it is numpy's memory: numpy asks the kernel for huge pages for
-    large arrays (madvise), so a fresh buffer faults in 2 MiB at a time instead of 4 KiB; a
-    fresh 50 MB buffer fills about 2x faster here than ``torch.empty``'s."""
-    if torch.device(device).type == "cpu" and n > 0:  # NOTE: numpy's empty array has stride 0
-        return torch.from_numpy(np.empty(n, dtype=np.uint8))
+    """An uninitialised 1-D uint8 tensor for a large buffer written once and read soon
+    (received KV, an export). NOTE: on the host it comes from ``HOST_BUFFERS``: a buffer
+    returned by an earlier transfer is warm, and a fresh one is numpy's memory, which asks
+    the kernel for huge pages (a fresh 50 MB buffer fills about 2x faster than
+    ``torch.empty``'s 4 KiB faults here)."""
+    if torch.device(device).type == "cpu":
+        return HOST_BUFFERS.take(n)
     return torch.empty(n, dtype=torch.uint8, device=device)
 
 
