@@ -6,7 +6,11 @@ payload several times over every transport in turn and keeps each one's median. 
 3 KV heads, head dim 64, block 16, fp32: 46,080 bytes per token).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/kv_transfer_bench.py [--sizes-mb 1 4 16 64 256]
-        [--transports grpc shm gloo] [--ttft | --ttft-only] [--ttft-transports grpc gloo]
+        [--transports grpc shm gloo] [--chunk-kb 2048] [--ttft | --ttft-only]
+        [--ttft-transports grpc gloo]
+
+Besides GB/s it prints each transport's CPU time per GB on both sides: on this 2-core
+machine a transfer is CPU-bound, and CPU per byte is the figure that noise moves least.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kvtransfer.transport import get_transport  # noqa: E402
+from kvtransfer.wire import DEFAULT_CHUNK_BYTES  # noqa: E402
 from services.engine.kv_cache import empty_bytes  # noqa: E402
 from services.engine.kv_handle import KVHandle, LayoutFingerprint  # noqa: E402
 
@@ -65,7 +70,7 @@ class Source:
         pass
 
 
-def serve(transport: str, sizes: list[float]) -> None:
+def serve(transport: str, sizes: list[float], chunk_bytes: int | None) -> None:
     """The sender process: prints its address, serves until stdin closes."""
     handles = {f"{mb}": handle(mb) for mb in sizes}
     if transport == "tcp":
@@ -89,14 +94,15 @@ def serve(transport: str, sizes: list[float]) -> None:
         threading.Thread(target=accept, daemon=True).start()
         print(f"127.0.0.1:{srv.getsockname()[1]}", flush=True)
     elif transport == "grpc-floor":
-        print(floor_server(handles), flush=True)
+        print(floor_server(handles, chunk_bytes or DEFAULT_CHUNK_BYTES), flush=True)
     else:
-        server = get_transport(transport).serve(Source(handles), "127.0.0.1", 0)
+        options = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+        server = get_transport(transport).serve(Source(handles), "127.0.0.1", 0, **options)
         print(server.address, flush=True)
     sys.stdin.read()
 
 
-def floor_server(handles: dict[str, KVHandle]) -> str:
+def floor_server(handles: dict[str, KVHandle], chunk_bytes: int) -> str:
     """gRPC's own ceiling on this machine: a ``PullKV`` server that streams messages framed
     in advance (no copy of ours on either side; the client only iterates them), same
     options and chunk size as the real transport."""
@@ -108,7 +114,7 @@ def floor_server(handles: dict[str, KVHandle]) -> str:
     from kvtransfer import wire
     from proto.pdserve.v1 import kv_transfer_pb2 as pb
 
-    frames = {k: list(wire.encode(h)) for k, h in handles.items()}
+    frames = {k: list(wire.encode(h, chunk_bytes)) for k, h in handles.items()}
 
     def pull(request: pb.PullKVRequest, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
         yield from frames[request.request_id.split("#")[0]]
@@ -147,7 +153,7 @@ def tcp_pull(address: str, key: str, nbytes: int, sock: list[socket.socket]) -> 
         sock.append(socket.create_connection((host, int(port))))
     s = sock[0]
     s.sendall(f"{key:<64}".encode()[:64])
-    # NOTE: a fresh, unzeroed buffer, as the transports' receivers allocate (``empty_bytes``);
+    # NOTE: an unzeroed buffer from the same pool as the transports' receivers (``empty_bytes``);
     # a bytearray would add a zeroing pass and flatter the others
     view, got = memoryview(empty_bytes(nbytes).numpy()).cast("B"), 0
     while got < nbytes:
@@ -157,13 +163,26 @@ def tcp_pull(address: str, key: str, nbytes: int, sock: list[socket.socket]) -> 
         got += n
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux /proc;
+    10 ms ticks: sum it over many pulls)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Receiver:
     """One transport's sender process and this process's client of it."""
 
-    def __init__(self, transport: str, sizes: list[float]) -> None:
+    def __init__(self, transport: str, sizes: list[float], chunk_kb: int | None) -> None:
         self.transport = transport
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", transport, "--sizes-mb", *map(str, sizes)],
+            [
+                sys.executable,
+                __file__,
+                *("--serve", transport),
+                *(("--chunk-kb", str(chunk_kb)) if chunk_kb else ()),
+                *("--sizes-mb", *map(str, sizes)),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -175,8 +194,11 @@ class Receiver:
         self.sock: list[socket.socket] = []
         self.n = 0
 
-    def pull(self, mb: float, nbytes: int) -> float:
+    def pull(self, mb: float, nbytes: int) -> tuple[float, float, float]:
+        """Seconds of one pull, and the CPU seconds it cost the receiver (this process) and
+        the sender."""
         self.n += 1
+        cpu, sender_cpu = time.process_time(), process_cpu_s(self.proc.pid)
         t = time.perf_counter()
         if self.transport == "grpc-floor":
             floor_pull(self.address, f"{mb}#{self.n}")
@@ -184,7 +206,8 @@ class Receiver:
             tcp_pull(self.address, f"{mb}", nbytes, self.sock)
         else:
             self.client.pull(self.address, f"{mb}#{self.n}", LAYOUT, 120.0)
-        return time.perf_counter() - t
+        dt = time.perf_counter() - t
+        return dt, time.process_time() - cpu, process_cpu_s(self.proc.pid) - sender_cpu
 
     def close(self) -> None:
         if self.client is not None:
@@ -194,25 +217,33 @@ class Receiver:
 
 
 def measure(
-    transports: list[str], sizes: list[float], repeats: int
-) -> dict[str, dict[float, float]]:
-    """GB/s (median of ``repeats``) per transport and payload. NOTE: interleaved: every
-    repeat pulls once over each transport in turn, so this machine's slow spells hit all of
-    them alike (measured one after another, the same transport drifted by 2x)."""
-    receivers = [Receiver(t, sizes) for t in transports]
+    transports: list[str], sizes: list[float], repeats: int, chunk_kb: int | None
+) -> tuple[dict[str, dict[float, float]], dict[str, dict[float, tuple[float, float]]]]:
+    """GB/s (median of ``repeats``) per transport and payload, and CPU ms per GB moved
+    (receiver, sender; mean over the repeats). NOTE: interleaved: every repeat pulls once
+    over each transport in turn, so this machine's slow spells hit all of them alike
+    (measured one after another, the same transport drifted by 2x). The CPU cost drifts far
+    less than the wall time: it tells what a transport's own work costs per byte."""
+    receivers = [Receiver(t, sizes, chunk_kb) for t in transports]
     try:
         out: dict[str, dict[float, float]] = {t: {} for t in transports}
+        cpu: dict[str, dict[float, tuple[float, float]]] = {t: {} for t in transports}
         for mb in sizes:
             nbytes = max(1, int(mb * (1 << 20)) // BLOCK_BYTES) * BLOCK_BYTES
-            times: dict[str, list[float]] = {t: [] for t in transports}
+            runs: dict[str, list[tuple[float, float, float]]] = {t: [] for t in transports}
             for i in range(repeats + 1):  # the first round warms the connections up
                 for r in receivers:
-                    dt = r.pull(mb, nbytes)
+                    run = r.pull(mb, nbytes)
                     if i:
-                        times[r.transport].append(dt)
+                        runs[r.transport].append(run)
             for t in transports:
-                out[t][mb] = nbytes / statistics.median(times[t]) / 1e9
-        return out
+                out[t][mb] = nbytes / statistics.median(dt for dt, _, _ in runs[t]) / 1e9
+                gb = nbytes * len(runs[t]) / 1e9
+                cpu[t][mb] = (
+                    1e3 * sum(c for _, c, _ in runs[t]) / gb,
+                    1e3 * sum(c for _, _, c in runs[t]) / gb,
+                )
+        return out, cpu
     finally:
         for r in receivers:
             r.close()
@@ -333,13 +364,19 @@ def main() -> int:
         help="also grpc-floor: gRPC alone, with messages framed in advance (its ceiling here)",
     )
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--chunk-kb",
+        type=int,
+        default=None,
+        help="every sender's chunk (message) size; default: each transport's own",
+    )
     ap.add_argument("--ttft", action="store_true", help="also the exposed transfer share of TTFT")
     ap.add_argument("--ttft-only", action="store_true", help="only that")
     ap.add_argument("--ttft-transports", nargs="+", default=["grpc", "gloo"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.sizes_mb)
+        serve(args.serve, args.sizes_mb, args.chunk_kb and args.chunk_kb << 10)
         return 0
     if args.prefill_sender:
         prefill_sender(args.prefill_sender)
@@ -348,7 +385,7 @@ def main() -> int:
         for t in args.ttft_transports:
             print_ttft(t, ttft_share(t))
         return 0
-    results = measure(["tcp", *args.transports], args.sizes_mb, args.repeats)
+    results, cpu = measure(["tcp", *args.transports], args.sizes_mb, args.repeats, args.chunk_kb)
     print("GB/s by payload (ratio to raw loopback TCP in this run)")
     print("payload  " + "".join(f"{t:>18}" for t in results))
     for mb in args.sizes_mb:
@@ -359,8 +396,15 @@ def main() -> int:
                 f"{g:8.2f} ({g / results['tcp'][mb]:4.2f}x)" if t != "tcp" else f"{g:18.2f}"
             )
         print(f"{mb:5g} MB " + "".join(f"{c:>18}" for c in cells))
+    print("\nCPU ms per GB moved, receiver + sender (each process, all its threads)")
+    print("payload  " + "".join(f"{t:>18}" for t in cpu))
+    for mb in args.sizes_mb:
+        cells = [f"{rc:6.0f} + {sc:4.0f}" for rc, sc in (cpu[t][mb] for t in cpu)]
+        print(f"{mb:5g} MB " + "".join(f"{c:>18}" for c in cells))
     out: dict[str, object] = {
-        "gbps": {t: {str(k): v for k, v in r.items()} for t, r in results.items()}
+        "chunk_kb": args.chunk_kb,
+        "gbps": {t: {str(k): v for k, v in r.items()} for t, r in results.items()},
+        "cpu_ms_per_gb": {t: {str(k): v for k, v in r.items()} for t, r in cpu.items()},
     }
     if args.ttft:
         out["ttft"] = ttft = {t: ttft_share(t) for t in args.ttft_transports}
