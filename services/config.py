@@ -157,6 +157,12 @@ class ServeConfig(BaseModel):
         "advertises it, so the gRPC port is on the head pod); None = any node",
     )
     kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one KV pull")
+    kv_host_buffer_mb: int = Field(
+        512,
+        ge=0,
+        description="host memory each replica keeps for reuse by received and exported KV "
+        "buffers once they are done with (warm memory instead of fresh pages); 0 = keep none",
+    )
     kv_hold_timeout_s: float = Field(
         60.0, gt=0, description="prefill keeps unclaimed KV this long, then frees it"
     )

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from services.config import PoolConfig, ServeConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine, EngineStats
+from services.engine.host_buffers import HOST_BUFFERS
 from services.prefix_index import PrefixIndex
 from services.prefix_index.publisher import IndexPublisher, unique_replica_id
 from services.replica_metrics import ReplicaMetrics
@@ -88,6 +89,7 @@ class EngineReplica:
             if a is not None
             else ReplicaMetrics(30.0)
         )
+        HOST_BUFFERS.configure(cfg.kv_host_buffer_mb << 20)
         engine = Engine.from_path(cfg.model, cfg.engine_config(pool, role))
         self.engine = AsyncEngine(engine, stall_timeout_s=cfg.request_timeout_s)
         rid = serve_replica_id()

@@ -15,6 +15,7 @@ from typing import Any
 
 from services.autoscale.window import LatencyWindow
 from services.engine.engine import EngineStats
+from services.engine.host_buffers import HOST_BUFFERS
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,12 @@ class _RaySeries:
             tag_keys=("transport",),
         )
         self.hit_tokens = m.Gauge("pdserve_replica_prefix_hit_tokens", "prompt tokens reused")
+        self.host_buffers = m.Gauge(
+            "pdserve_replica_kv_host_buffer_bytes",
+            "host buffers of KV transfers: in_use (held by transfers and handles) and free "
+            "(kept for reuse, bounded by kv_host_buffer_mb)",
+            tag_keys=("state",),
+        )
 
 
 class ReplicaMetrics:
@@ -158,3 +165,6 @@ class ReplicaMetrics:
             self._ray.lease_expiries.inc(s.num_hold_expiries - self._lease_expiries)
             self._lease_expiries = s.num_hold_expiries
         self._ray.hit_tokens.set(s.prefix_hit_tokens)
+        pool = HOST_BUFFERS.stats()
+        self._ray.host_buffers.set(pool.in_use_bytes, tags={"state": "in_use"})
+        self._ray.host_buffers.set(pool.free_bytes, tags={"state": "free"})

@@ -82,6 +82,14 @@ class HostBufferPool:
             self._in_use_bytes -= base.nbytes
             self._free.append(base)
             self._free_bytes += base.nbytes
+            while self._free_bytes > self.max_free_bytes:  # NOTE: oldest first
+                self._free_bytes -= self._free.pop(0).nbytes
+
+    def configure(self, max_free_bytes: int) -> None:
+        """Set the bound on kept buffers (a replica's ``kv_host_buffer_mb``); drops the
+        oldest kept ones beyond it now."""
+        with self._lock:
+            self.max_free_bytes = max_free_bytes
             while self._free_bytes > self.max_free_bytes:
                 self._free_bytes -= self._free.pop(0).nbytes
 

@@ -61,3 +61,18 @@ def test_fit_and_bounds():
 def test_engine_buffers_come_from_the_pool_on_the_host():
     t = empty_bytes(3 * MB)
     assert t.dtype == torch.uint8 and t.shape == (3 * MB,) and t.device.type == "cpu"
+
+
+def test_configure_bounds_what_is_kept_at_once_and_zero_keeps_nothing():
+    pool = HostBufferPool(max_free_bytes=64 * MB)
+    bufs = [pool.take(2 * MB) for _ in range(3)]
+    del bufs
+    gc.collect()
+    assert pool.stats().free_bytes == 6 * MB
+    pool.configure(4 * MB)
+    assert pool.stats().free_bytes == 4 * MB
+    pool.configure(0)
+    t = pool.take(2 * MB)
+    del t
+    gc.collect()
+    assert pool.stats().free_bytes == 0

@@ -119,6 +119,7 @@ kv_port: {{ $s.kvPort }}
 kv_streaming: {{ $s.kvStreaming }}
 kv_timeout_s: {{ $s.kvTimeoutS }}
 kv_hold_timeout_s: {{ $s.kvHoldTimeoutS }}
+kv_host_buffer_mb: {{ $s.kvHostBufferMb }}
 request_timeout_s: {{ $s.requestTimeoutS }}
 routing: {{ $s.routing }}
 {{- if eq $s.routing "prefix_aware" }}
