@@ -99,6 +99,9 @@ def serve(transport: str, sizes: list[float], chunk_bytes: int | None) -> None:
         options = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
         server = get_transport(transport).serve(Source(handles), "127.0.0.1", 0, **options)
         print(server.address, flush=True)
+        sys.stdin.read()
+        server.stop()  # NOTE: shm: a stopped sender unlinks its segments
+        return
     sys.stdin.read()
 
 
@@ -207,6 +210,8 @@ class Receiver:
         else:
             self.client.pull(self.address, f"{mb}#{self.n}", LAYOUT, 120.0)
         dt = time.perf_counter() - t
+        if self.client is not None:  # NOTE: as a decode replica does (shm reuses the segment)
+            self.client.release(self.address, f"{mb}#{self.n}", 10.0)
         return dt, time.process_time() - cpu, process_cpu_s(self.proc.pid) - sender_cpu
 
     def close(self) -> None:

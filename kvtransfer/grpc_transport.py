@@ -79,8 +79,7 @@ class _Servicer:
         if self.segments is not None and self.host_id and request.host_id == self.host_id:
             data = wire.payload(handle).cpu()
             header = wire.header_for(handle, data, chunk)
-            header.shm_name = shm.write_segment(data)
-            self.segments.add(request.request_id, header.shm_name)
+            header.shm_name = self.segments.put(request.request_id, data)
             yield self._hooked(pb.PullKVResponse(header=header).SerializeToString())
             return
         for msg in wire.encode(handle, chunk):
@@ -138,7 +137,8 @@ class GrpcKVServer:
 
     Args:
         shared_memory: hand payloads to receivers on the same host through /dev/shm
-            (transport ``shm``); segments left unclaimed are unlinked after ``lease_s``.
+            (transport ``shm``); a segment is the request's until release or ``lease_s``,
+            then reused.
         message_hook: test hook applied to every outgoing message (fault injection).
     """
 
@@ -225,6 +225,7 @@ class GrpcKVClient:
         self._calls: dict[str, _Calls] = {}
         self._lock = threading.Lock()
         self.host_id = shm.host_id() if shared_memory else ""
+        self._segments = shm.SegmentReader() if shared_memory else None
 
     def _to(self, address: str) -> _Calls:
         with self._lock:
@@ -240,7 +241,8 @@ class GrpcKVClient:
             request_id=request_id, layout=wire.layout_to_proto(layout), host_id=self.host_id
         )
         try:
-            return wire.decode(self._to(address).pull(req, timeout=timeout_s), layout)
+            call = self._to(address).pull(req, timeout=timeout_s)
+            return wire.decode(call, layout, self._segments)
         except grpc.RpcError as e:
             raise _map_error(e, address) from None
 
@@ -266,6 +268,8 @@ class GrpcKVClient:
             calls, self._calls = list(self._calls.values()), {}
         for c in calls:
             c.channel.close()
+        if self._segments is not None:
+            self._segments.close()
 
 
 def _map_error(e: grpc.RpcError, address: str) -> Exception:

@@ -1,9 +1,15 @@
 """Same-host handover of KV payloads through POSIX shared memory (files in /dev/shm).
 
-The sender writes the payload into a fresh segment and names it in the transfer's header; the
-receiver maps it, checks every chunk's checksum, and unlinks it (its mapping stays valid, so
-the handle's tensor is the mapping itself: no second copy). The sender unlinks whatever is left
-at release or when the hold lease expires (a receiver that died before unlinking).
+The sender copies the payload into one of its segments and names it in the transfer's header;
+the receiver copies it out through a mapping it keeps, and checks every chunk's checksum *on
+its copy*. The segment stays the sender's: it is the request's until release (or the hold
+lease's expiry), then it carries later pulls.
+
+NOTE: reused, not fresh per pull: writing a fresh tmpfs segment faults in and zeroes every
+page (no huge pages on tmpfs): 700-1,250 ms of sender CPU per GB here, more than all of
+gRPC's. Invariant: a receiver never returns bytes it did not check after copying them, so a
+segment reused under a receiver that outlived its lease fails that receiver's checksums; it
+never hands over the new occupant's KV.
 
 ``host_id`` tells whether two processes can share a segment: the kernel's boot id plus the
 identity of their /dev/shm mount (containers on one node each have their own).
@@ -17,9 +23,12 @@ import os
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
+
+from services.engine.kv_cache import empty_bytes
 
 SHM_DIR = Path("/dev/shm")
 
@@ -34,47 +43,78 @@ def host_id() -> str:
     return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
-def write_segment(data: torch.Tensor) -> str:
-    """Copy 1-D uint8 ``data`` (CPU) into a new segment; returns its name."""
-    name = f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
-    fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        size = data.numel()
-        os.ftruncate(fd, max(1, size))
-        with mmap.mmap(fd, max(1, size)) as m:
-            if size:  # NOTE: the temporary view is gone before the mapping closes
-                torch.frombuffer(m, dtype=torch.uint8, count=size).copy_(data)
-    finally:
-        os.close(fd)
-    return name
+_ALIGN = 2 << 20
+PREFIX = "pdserve-kv-"
 
 
-def map_segment(name: str, size: int) -> torch.Tensor:
-    """Map a segment read-only-by-convention as a 1-D uint8 tensor and unlink it."""
-    if "/" in name or not name.startswith("pdserve-kv-"):
+class _Segment:
+    """One segment, mapped once for its life in this process."""
+
+    def __init__(self, name: str, size: int, create: bool) -> None:
+        path = SHM_DIR / name
+        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR if create else os.O_RDWR
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise ValueError(f"segment {name} holds fewer than {size} bytes")
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.name, self.size = name, size
+        self.data = torch.frombuffer(self.map, dtype=torch.uint8)
+
+
+def _check_name(name: str) -> None:
+    if "/" in name or not name.startswith(PREFIX):
         raise ValueError(f"not a KV segment name: {name!r}")
-    path = SHM_DIR / name
-    fd = os.open(path, os.O_RDWR)
-    try:
-        if os.fstat(fd).st_size < max(1, size):
-            raise ValueError(f"segment {name} holds fewer than {size} bytes")
-        m = mmap.mmap(fd, max(1, size))
-    finally:
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-    return (
-        torch.frombuffer(m, dtype=torch.uint8, count=size)
-        if size
-        else torch.empty(0, dtype=torch.uint8)
-    )
+
+
+class SegmentReader:
+    """The receiver's mappings of senders' segments, kept (a sender reuses its segments, so
+    the next pull usually names a mapped one: no page-table faults again); at most
+    ``max_maps`` and ``max_bytes`` of them, least recently used dropped (a mapping keeps a
+    segment's memory even after its sender unlinked it)."""
+
+    def __init__(self, max_maps: int = 16, max_bytes: int = 512 << 20) -> None:
+        self.max_maps, self.max_bytes = max_maps, max_bytes
+        self._maps: OrderedDict[str, _Segment] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def copy_out(self, name: str, size: int) -> torch.Tensor:
+        """The first ``size`` bytes of segment ``name``, copied into a host buffer (1-D
+        uint8). Raises ValueError/OSError for a bad name or a missing or short segment."""
+        _check_name(name)
+        out = empty_bytes(size)
+        if not size:
+            return out
+        with self._lock:
+            seg = self._maps.pop(name, None)
+        if seg is None or seg.size < size:
+            # NOTE: the whole file: the sender's segment may be larger than this payload
+            seg = _Segment(name, os.stat(SHM_DIR / name).st_size, create=False)
+            if seg.size < size:
+                raise ValueError(f"segment {name} holds fewer than {size} bytes")
+        out.copy_(seg.data[:size])
+        with self._lock:
+            self._maps[name] = seg
+            while len(self._maps) > self.max_maps or (
+                len(self._maps) > 1 and sum(g.size for g in self._maps.values()) > self.max_bytes
+            ):
+                self._maps.popitem(last=False)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._maps.clear()
 
 
 def sweep_orphans() -> int:
     """Unlink segments whose sender process is gone (it died between writing a segment and
     handing it over); returns how many. NOTE: the creator's pid is part of every name."""
     removed = 0
-    for path in SHM_DIR.glob("pdserve-kv-*"):
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
         try:
             pid = int(path.name.split("-")[2])
         except (IndexError, ValueError):
@@ -91,46 +131,78 @@ def sweep_orphans() -> int:
 
 
 class Segments:
-    """The sender's segments by request: unlinked at release, or after ``lease_s``. A new
-    sender first sweeps the orphans of dead ones."""
+    """The sender's segments: a pull's payload goes into a free segment of at least its size
+    and at most twice it or 2 MiB (else a new one, whole 2 MiB units), which is the request's until
+    release, or until ``lease_s`` passes without one; then it is free for the next pull.
+    Free segments beyond ``max_free_bytes`` are unlinked, oldest first, and all at
+    ``close``. A new sender first sweeps the orphans of dead ones."""
 
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, max_free_bytes: int = 512 << 20) -> None:
         self.lease_s = lease_s
+        self.max_free_bytes = max_free_bytes
         sweep_orphans()
-        self._by_request: dict[str, tuple[str, float]] = {}
+        self._free: list[_Segment] = []  # oldest first
+        self._by_request: dict[str, tuple[_Segment, float]] = {}
         self._lock = threading.Lock()
-        self.expired = 0  # leases that ran out (the receiver never took its segment)
+        self.expired = 0  # leases that ran out (the receiver never released)
+        self.created = 0
 
-    def add(self, request_id: str, name: str) -> None:
+    def put(self, request_id: str, data: torch.Tensor) -> str:
+        """Copy 1-D uint8 ``data`` (CPU) into a segment now ``request_id``'s; its name."""
+        n = max(1, data.numel())
+        size = -(-n // _ALIGN) * _ALIGN  # what a new one would take
+        with self._lock:
+            fits = [i for i, g in enumerate(self._free) if n <= g.size <= max(2 * n, size)]
+            seg = self._free.pop(min(fits, key=lambda i: self._free[i].size)) if fits else None
+        if seg is None:
+            name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+            seg = _Segment(name, size, create=True)
+            self.created += 1
+        seg.data[: data.numel()].copy_(data)
         with self._lock:
             old = self._by_request.pop(request_id, None)
-            self._by_request[request_id] = (name, time.monotonic())
+            self._by_request[request_id] = (seg, time.monotonic())
         if old is not None:
-            _unlink(old[0])
+            self._give_back(old[0])
         self.expire()
+        return seg.name
 
     def release(self, request_id: str) -> None:
         with self._lock:
             entry = self._by_request.pop(request_id, None)
         if entry is not None:
-            _unlink(entry[0])
+            self._give_back(entry[0])
 
     def expire(self) -> None:
         now = time.monotonic()
         with self._lock:
-            old = [(r, n) for r, (n, t) in self._by_request.items() if now - t > self.lease_s]
-            for r, _ in old:
-                del self._by_request[r]
-        for _, name in old:
-            if _unlink(name):
-                self.expired += 1
+            old = [r for r, (_, t) in self._by_request.items() if now - t > self.lease_s]
+            segs = [self._by_request.pop(r)[0] for r in old]
+            self.expired += len(segs)
+        for seg in segs:
+            self._give_back(seg)
+
+    def _give_back(self, seg: _Segment) -> None:
+        with self._lock:
+            self._free.append(seg)
+            drop = []
+            while sum(g.size for g in self._free) > self.max_free_bytes:
+                drop.append(self._free.pop(0))
+        for g in drop:
+            _unlink(g.name)
+
+    @property
+    def names(self) -> set[str]:
+        """Every segment this sender holds, leased or free."""
+        with self._lock:
+            return {g.name for g in self._free} | {g.name for g, _ in self._by_request.values()}
 
     def close(self) -> None:
         with self._lock:
-            names = [n for n, _ in self._by_request.values()]
-            self._by_request.clear()
-        for name in names:
-            _unlink(name)
+            segs = self._free + [g for g, _ in self._by_request.values()]
+            self._free, self._by_request = [], {}
+        for g in segs:
+            _unlink(g.name)
 
 
 def _unlink(name: str) -> bool:
@@ -138,4 +210,4 @@ def _unlink(name: str) -> bool:
         (SHM_DIR / name).unlink()
         return True
     except FileNotFoundError:
-        return False  # the receiver took it
+        return False

@@ -10,6 +10,7 @@ import dataclasses
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from services.engine.errors import LayoutMismatchError
 from services.engine.kv_cache import empty_bytes
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_stream import KVPiece
+
+if TYPE_CHECKING:
+    from kvtransfer.shm import SegmentReader
 
 try:
     import google_crc32c
@@ -308,11 +312,11 @@ def handle_from(h: pb.KVHeader, data: torch.Tensor, expected: LayoutFingerprint)
     )
 
 
-def from_segment(h: pb.KVHeader, expected: LayoutFingerprint) -> KVHandle:
-    from kvtransfer import shm
-
+def from_segment(h: pb.KVHeader, expected: LayoutFingerprint, reader: SegmentReader) -> KVHandle:
+    """The payload of a same-host handover, copied out of the sender's segment and checked
+    on the copy (the sender reuses the segment once released)."""
     try:
-        data = shm.map_segment(h.shm_name, h.total_bytes)
+        data = reader.copy_out(h.shm_name, h.total_bytes)
     except (OSError, ValueError) as e:
         raise TransferError(f"shared-memory segment {h.shm_name!r}: {e}") from None
     for seq, (a, b) in enumerate(chunk_ranges(h.total_bytes, h.chunk_bytes)):
@@ -320,9 +324,12 @@ def from_segment(h: pb.KVHeader, expected: LayoutFingerprint) -> KVHandle:
     return handle_from(h, data, expected)
 
 
-def decode(messages: Iterable[bytes], expected: LayoutFingerprint) -> KVHandle:
-    """Rebuild a handle from serialized ``PullKVResponse``s; raises LayoutMismatchError or
-    TransferError."""
+def decode(
+    messages: Iterable[bytes], expected: LayoutFingerprint, segments: SegmentReader | None = None
+) -> KVHandle:
+    """Rebuild a handle from serialized ``PullKVResponse``s (or, from a same-host sender, a
+    header naming a shared-memory segment: ``segments`` reads it); raises
+    LayoutMismatchError or TransferError."""
     it = iter(messages)
     raw = next(it, None)
     first = pb.PullKVResponse.FromString(raw) if raw is not None else None
@@ -331,7 +338,9 @@ def decode(messages: Iterable[bytes], expected: LayoutFingerprint) -> KVHandle:
     h = first.header
     check_header(h, expected)
     if h.shm_name:  # same-host handover: the payload is in shared memory, not in chunks
-        return from_segment(h, expected)
+        if segments is None:
+            raise TransferError("the sender named a shared-memory segment nobody asked for")
+        return from_segment(h, expected, segments)
     want_bytes = h.total_bytes
     # NOTE: uninitialised, not a bytearray: no zeroing pass over memory every chunk overwrites
     buf = empty_bytes(want_bytes)

@@ -53,7 +53,7 @@ def test_round_trips_are_byte_exact(transport):
             server.stop()
         assert torch.equal(got.blocks.view(torch.uint8), h.blocks.contiguous().view(torch.uint8))
         assert dataclasses.replace(got, blocks=h.blocks) == h
-    assert not _segments()  # shm: the receiver unlinked every segment it took
+    assert not _segments()  # shm: a stopped sender unlinks its segments
 
 
 def _corrupting(name: str):  # type: ignore[no-untyped-def]
@@ -213,3 +213,59 @@ def test_nccl_without_gpus_fails_loudly_at_start():
         pytest.skip("this machine has a GPU: NCCL can work")
     with pytest.raises(TransportUnavailableError, match="nccl needs CUDA"):
         get_transport("nccl")
+
+
+def test_shm_segments_are_reused_and_a_reused_one_fails_a_late_receiver():
+    from kvtransfer import wire
+
+    t = get_transport("shm")
+    a = random_handle(n_blocks=20)
+    b = dataclasses.replace(a, blocks=torch.randn_like(a.blocks))
+    handles = {
+        f"{k}{i}": dataclasses.replace(h, request_id=f"{k}{i}")
+        for i in range(3)
+        for k, h in (("a", a), ("b", b))
+    }
+    headers: dict[str, pb.KVHeader] = {}
+
+    def keep(msg: pb.PullKVResponse) -> pb.PullKVResponse:
+        if msg.WhichOneof("msg") == "header":
+            headers[msg.header.request_id] = pb.KVHeader.FromString(msg.header.SerializeToString())
+        return msg
+
+    server = t.serve(DictSource(dict(handles)), "127.0.0.1", 0, message_hook=keep)
+    client = t.client()
+    try:
+        for rid, h in handles.items():  # one after another, each released before the next
+            got = client.pull(server.address, rid, h.fingerprint, 10)
+            assert torch.equal(got.blocks, h.blocks)
+            client.release(server.address, rid, 5)
+        assert server.segments.created == 1 and len(server.segments.names) == 1
+        # a receiver that copies "a2" out only now, after the segment carried "b2": its
+        # checksums fail, it never returns b's bytes as a's
+        with pytest.raises(TransferError, match="failed its crc32c check"):
+            wire.from_segment(headers["a2"], a.fingerprint, shm.SegmentReader())
+    finally:
+        client.close()
+        server.stop()
+    assert not _segments()
+
+
+def test_shm_segments_of_unreleased_pulls_go_back_at_their_lease():
+    segs = shm.Segments(lease_s=0.2, max_free_bytes=4 << 20)
+    try:
+        first = segs.put("r1", torch.ones(100, dtype=torch.uint8))
+        assert segs.put("r2", torch.ones(100, dtype=torch.uint8)) != first  # r1 still leased
+        time.sleep(0.3)
+        segs.expire()
+        assert segs.expired == 2
+        assert segs.put("r3", torch.ones(100, dtype=torch.uint8)) in segs.names
+        assert len(segs.names) == 2 and segs.created == 2  # reused, not a third
+        segs.put("big", torch.ones(6 << 20, dtype=torch.uint8))
+        segs.release("big")  # over max_free_bytes: the oldest free segments are unlinked
+        assert sum(1 for n in segs.names if n in _segments()) == len(segs.names)
+        assert len(segs.names) <= 2
+        held = segs.names
+    finally:
+        segs.close()
+    assert not (held & _segments()) and not segs.names
