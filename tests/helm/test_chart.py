@@ -126,6 +126,9 @@ def test_ray_service_structure():
         "itl_seconds_bucket",
         "kv_blocks_used",
         "prefix_hit_rate",
+        "kv_transfer_failures_total",
+        "kv_lease_expiries_total",
+        "kv_host_buffer_bytes",
     ):
         assert series in exprs
     assert "replica_healthy" in exprs
