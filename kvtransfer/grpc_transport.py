@@ -78,9 +78,11 @@ class _Servicer:
         chunk = min(request.max_chunk_bytes or self.chunk_bytes, self.chunk_bytes)
         if self.segments is not None and self.host_id and request.host_id == self.host_id:
             data = wire.payload(handle).cpu()
-            header = wire.header_for(handle, data, chunk)
-            header.shm_name = self.segments.put(request.request_id, data)
-            yield self._hooked(pb.PullKVResponse(header=header).SerializeToString())
+            name, seg = self.segments.reserve(request.request_id, data.numel())
+            yield self._hooked(wire.segment_header(handle, data.numel(), chunk, name))
+            for seq, (a, b) in enumerate(wire.chunk_ranges(data.numel(), chunk)):
+                seg[a:b].copy_(data[a:b])  # NOTE: announced once in: the receiver copies it now
+                yield self._hooked(wire.segment_notice(seq, data[a:b]))
             return
         for msg in wire.encode(handle, chunk):
             yield self._hooked(msg)

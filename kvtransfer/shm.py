@@ -1,9 +1,10 @@
 """Same-host handover of KV payloads through POSIX shared memory (files in /dev/shm).
 
-The sender copies the payload into one of its segments and names it in the transfer's header;
-the receiver copies it out through a mapping it keeps, and checks every chunk's checksum *on
-its copy*. The segment stays the sender's: it is the request's until release (or the hold
-lease's expiry), then it carries later pulls.
+The sender names one of its segments in the transfer's header, then copies the payload into
+it chunk by chunk, announcing each chunk (its checksum) as a gRPC message once it is in; the
+receiver copies each announced chunk out through a mapping it keeps, while the sender writes
+the next, and checks its checksum *on its copy*. The segment stays the sender's: it is the
+request's until release (or the hold lease's expiry), then it carries later pulls.
 
 NOTE: reused, not fresh per pull: writing a fresh tmpfs segment faults in and zeroes every
 page (no huge pages on tmpfs): 700-1,250 ms of sender CPU per GB here, more than all of
@@ -27,8 +28,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
-
-from services.engine.kv_cache import empty_bytes
 
 SHM_DIR = Path("/dev/shm")
 
@@ -82,13 +81,13 @@ class SegmentReader:
         self._maps: OrderedDict[str, _Segment] = OrderedDict()
         self._lock = threading.Lock()
 
-    def copy_out(self, name: str, size: int) -> torch.Tensor:
-        """The first ``size`` bytes of segment ``name``, copied into a host buffer (1-D
-        uint8). Raises ValueError/OSError for a bad name or a missing or short segment."""
+    def view(self, name: str, size: int) -> torch.Tensor:
+        """The first ``size`` bytes of segment ``name`` as a mapped 1-D uint8 tensor (the
+        sender's memory: copy out of it, and check the copy). Raises ValueError/OSError for
+        a bad name or a missing or short segment."""
         _check_name(name)
-        out = empty_bytes(size)
         if not size:
-            return out
+            return torch.empty(0, dtype=torch.uint8)
         with self._lock:
             seg = self._maps.pop(name, None)
         if seg is None or seg.size < size:
@@ -96,14 +95,13 @@ class SegmentReader:
             seg = _Segment(name, os.stat(SHM_DIR / name).st_size, create=False)
             if seg.size < size:
                 raise ValueError(f"segment {name} holds fewer than {size} bytes")
-        out.copy_(seg.data[:size])
         with self._lock:
             self._maps[name] = seg
             while len(self._maps) > self.max_maps or (
                 len(self._maps) > 1 and sum(g.size for g in self._maps.values()) > self.max_bytes
             ):
                 self._maps.popitem(last=False)
-        return out
+        return seg.data[:size]
 
     def close(self) -> None:
         with self._lock:
@@ -147,9 +145,10 @@ class Segments:
         self.expired = 0  # leases that ran out (the receiver never released)
         self.created = 0
 
-    def put(self, request_id: str, data: torch.Tensor) -> str:
-        """Copy 1-D uint8 ``data`` (CPU) into a segment now ``request_id``'s; its name."""
-        n = max(1, data.numel())
+    def reserve(self, request_id: str, nbytes: int) -> tuple[str, torch.Tensor]:
+        """A segment of at least ``nbytes``, now ``request_id``'s: its name and its first
+        ``nbytes`` as a 1-D uint8 tensor for the caller to fill."""
+        n = max(1, nbytes)
         size = -(-n // _ALIGN) * _ALIGN  # what a new one would take
         with self._lock:
             fits = [i for i, g in enumerate(self._free) if n <= g.size <= max(2 * n, size)]
@@ -158,14 +157,13 @@ class Segments:
             name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
             seg = _Segment(name, size, create=True)
             self.created += 1
-        seg.data[: data.numel()].copy_(data)
         with self._lock:
             old = self._by_request.pop(request_id, None)
             self._by_request[request_id] = (seg, time.monotonic())
         if old is not None:
             self._give_back(old[0])
         self.expire()
-        return seg.name
+        return seg.name, seg.data[:nbytes]
 
     def release(self, request_id: str) -> None:
         with self._lock:

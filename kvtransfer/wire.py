@@ -312,16 +312,51 @@ def handle_from(h: pb.KVHeader, data: torch.Tensor, expected: LayoutFingerprint)
     )
 
 
-def from_segment(h: pb.KVHeader, expected: LayoutFingerprint, reader: SegmentReader) -> KVHandle:
-    """The payload of a same-host handover, copied out of the sender's segment and checked
-    on the copy (the sender reuses the segment once released)."""
+# ---- same-host handover (transport ``shm``) ----------------------------------------------------
+# The header names the sender's segment; then one KVChunk per chunk, sent once the chunk is in
+# the segment, carries its seq and checksum and no data: the receiver copies chunk i out while
+# the sender writes chunk i+1.
+
+
+def segment_header(handle: KVHandle, total: int, chunk_bytes: int, name: str) -> bytes:
+    n_chunks = len(chunk_ranges(total, chunk_bytes))
+    h = _header(handle, total, n_chunks)
+    h.chunk_bytes, h.shm_name = chunk_bytes, name
+    return pb.PullKVResponse(header=h).SerializeToString()
+
+
+def segment_notice(seq: int, chunk: torch.Tensor, kind: str | None = None) -> bytes:
+    """The KVChunk announcing chunk ``seq`` (1-D uint8, CPU) as written: its checksum only."""
+    kind = kind or _HOST_CHECKSUM
+    msg = pb.KVChunk(seq=seq, **{kind: checksum(kind, chunk)})
+    return pb.PullKVResponse(chunk=msg).SerializeToString()
+
+
+def _from_segment(
+    h: pb.KVHeader, it: Iterator[bytes], expected: LayoutFingerprint, segments: SegmentReader
+) -> KVHandle:
+    """Copy each announced chunk out of the sender's segment and check it *on the copy* (the
+    sender reuses the segment once released: a copy taken too late fails its checksum)."""
     try:
-        data = reader.copy_out(h.shm_name, h.total_bytes)
+        src = segments.view(h.shm_name, h.total_bytes)
     except (OSError, ValueError) as e:
         raise TransferError(f"shared-memory segment {h.shm_name!r}: {e}") from None
-    for seq, (a, b) in enumerate(chunk_ranges(h.total_bytes, h.chunk_bytes)):
-        verify_chunk(h, seq, data[a:b])
-    return handle_from(h, data, expected)
+    ranges = chunk_ranges(h.total_bytes, h.chunk_bytes)
+    if len(ranges) != h.num_chunks:
+        raise TransferError(f"header says {h.num_chunks} chunks, its sizes make {len(ranges)}")
+    buf = empty_bytes(h.total_bytes)
+    out = buf.numpy()
+    for seq, (a, b) in enumerate(ranges):
+        raw = next(it, None)
+        frame = read_data_frame(raw, 2) if raw is not None else None
+        if frame is None:
+            raise TransferError(f"transfer ended after {seq} of {h.num_chunks} chunks")
+        fields, data = frame
+        if fields.get(1, 0) != seq or len(data):
+            raise TransferError(f"chunk notice {fields.get(1, 0)} arrived where {seq} was due")
+        buf[a:b].copy_(src[a:b])
+        check_frame(fields, memoryview(out[a:b]), CHUNK_CRC, f"chunk {seq}")
+    return handle_from(h, buf, expected)
 
 
 def decode(
@@ -340,7 +375,7 @@ def decode(
     if h.shm_name:  # same-host handover: the payload is in shared memory, not in chunks
         if segments is None:
             raise TransferError("the sender named a shared-memory segment nobody asked for")
-        return from_segment(h, expected, segments)
+        return _from_segment(h, it, expected, segments)
     want_bytes = h.total_bytes
     # NOTE: uninitialised, not a bytearray: no zeroing pass over memory every chunk overwrites
     buf = empty_bytes(want_bytes)

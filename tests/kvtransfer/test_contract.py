@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer import shm
+from kvtransfer import shm, wire
 from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
@@ -69,16 +69,20 @@ def _corrupting(name: str):  # type: ignore[no-untyped-def]
 
         return {"chunk_hook": chunk_hook}
 
+    header: list[pb.KVHeader] = []
+
     def message_hook(msg: pb.PullKVResponse) -> pb.PullKVResponse:
-        if msg.WhichOneof("msg") == "chunk" and msg.chunk.seq == 1:
+        if msg.WhichOneof("msg") == "header":
+            header.append(msg.header)
+        elif msg.chunk.seq == 1 and msg.chunk.data:
             data = bytearray(msg.chunk.data)
             data[7] ^= 0x40
             msg.chunk.data = bytes(data)
-        elif msg.WhichOneof("msg") == "header" and msg.header.shm_name:
-            with open(shm.SHM_DIR / msg.header.shm_name, "r+b") as f:
-                f.seek(msg.header.chunk_bytes + 7)
+        elif msg.chunk.seq == 1:  # shm: chunk 1 is in the segment, announced, not yet read
+            with open(shm.SHM_DIR / header[0].shm_name, "r+b") as f:
+                f.seek(header[0].chunk_bytes + 7)
                 b = f.read(1)
-                f.seek(msg.header.chunk_bytes + 7)
+                f.seek(header[0].chunk_bytes + 7)
                 f.write(bytes([b[0] ^ 0x40]))
         return msg
 
@@ -90,7 +94,7 @@ def test_a_corrupted_chunk_is_detected(transport):
     h = random_handle(n_blocks=8)
     server = t.serve(DictSource({"r": h}), "127.0.0.1", 0, chunk_bytes=512, **_corrupting(t.name))
     try:
-        # the streamed chunk's own CRC-32, or the header's per-chunk checksum out of band
+        # the chunk's own checksum: in its message, or (shm) in its notice, checked on the copy
         with pytest.raises(TransferError, match=r"chunk 1 failed its (CRC-32|crc32c?) check"):
             client.pull(server.address, "r", h.fingerprint, timeout_s=10)
     finally:
@@ -188,14 +192,19 @@ def test_shm_is_used_only_on_the_same_host():
     seen = []
 
     def spy(msg: pb.PullKVResponse) -> pb.PullKVResponse:
-        seen.append(msg.WhichOneof("msg") if not msg.header.shm_name else "shm")
+        kind = msg.WhichOneof("msg")
+        if kind == "header" and msg.header.shm_name:
+            kind = "shm"
+        elif kind == "chunk" and not msg.chunk.data:
+            kind = "notice"  # a chunk in the segment, announced with its checksum
+        seen.append(kind)
         return msg
 
     server = t.serve(DictSource({"r": h}), "127.0.0.1", 0, message_hook=spy)
     try:
         local = t.client()
         assert torch.equal(local.pull(server.address, "r", h.fingerprint, 10).blocks, h.blocks)
-        assert seen == ["shm"]
+        assert seen == ["shm", "notice"]
         seen.clear()
         remote = GrpcKVClient(shared_memory=True)
         remote.host_id = "another-host"  # as a receiver on another node would say
@@ -216,8 +225,6 @@ def test_nccl_without_gpus_fails_loudly_at_start():
 
 
 def test_shm_segments_are_reused_and_a_reused_one_fails_a_late_receiver():
-    from kvtransfer import wire
-
     t = get_transport("shm")
     a = random_handle(n_blocks=20)
     b = dataclasses.replace(a, blocks=torch.randn_like(a.blocks))
@@ -226,14 +233,15 @@ def test_shm_segments_are_reused_and_a_reused_one_fails_a_late_receiver():
         for i in range(3)
         for k, h in (("a", a), ("b", b))
     }
-    headers: dict[str, pb.KVHeader] = {}
+    sent: dict[str, list[bytes]] = {}
 
     def keep(msg: pb.PullKVResponse) -> pb.PullKVResponse:
         if msg.WhichOneof("msg") == "header":
-            headers[msg.header.request_id] = pb.KVHeader.FromString(msg.header.SerializeToString())
+            sent[msg.header.request_id] = []
+        list(sent.values())[-1].append(msg.SerializeToString())
         return msg
 
-    server = t.serve(DictSource(dict(handles)), "127.0.0.1", 0, message_hook=keep)
+    server = t.serve(DictSource(dict(handles)), "127.0.0.1", 0, message_hook=keep, chunk_bytes=4096)
     client = t.client()
     try:
         for rid, h in handles.items():  # one after another, each released before the next
@@ -241,10 +249,14 @@ def test_shm_segments_are_reused_and_a_reused_one_fails_a_late_receiver():
             assert torch.equal(got.blocks, h.blocks)
             client.release(server.address, rid, 5)
         assert server.segments.created == 1 and len(server.segments.names) == 1
-        # a receiver that copies "a2" out only now, after the segment carried "b2": its
-        # checksums fail, it never returns b's bytes as a's
-        with pytest.raises(TransferError, match="failed its crc32c check"):
-            wire.from_segment(headers["a2"], a.fingerprint, shm.SegmentReader())
+        assert len(sent["a2"]) == 1 + 8  # the header, then a notice per chunk
+        # a receiver that reads "a2"'s notices only now, after the segment carried "b2":
+        # its checksums fail, it never returns b's bytes as a's
+        with pytest.raises(TransferError, match="chunk 0 failed its crc32c check"):
+            wire.decode(iter(sent["a2"]), a.fingerprint, shm.SegmentReader())
+        # and one that did not offer shared memory refuses the handover
+        with pytest.raises(TransferError, match="segment nobody asked for"):
+            wire.decode(iter(sent["b2"]), b.fingerprint)
     finally:
         client.close()
         server.stop()
@@ -254,14 +266,14 @@ def test_shm_segments_are_reused_and_a_reused_one_fails_a_late_receiver():
 def test_shm_segments_of_unreleased_pulls_go_back_at_their_lease():
     segs = shm.Segments(lease_s=0.2, max_free_bytes=4 << 20)
     try:
-        first = segs.put("r1", torch.ones(100, dtype=torch.uint8))
-        assert segs.put("r2", torch.ones(100, dtype=torch.uint8)) != first  # r1 still leased
+        first, _ = segs.reserve("r1", 100)
+        assert segs.reserve("r2", 100)[0] != first  # r1 still leased
         time.sleep(0.3)
         segs.expire()
         assert segs.expired == 2
-        assert segs.put("r3", torch.ones(100, dtype=torch.uint8)) in segs.names
+        assert segs.reserve("r3", 100)[0] in segs.names
         assert len(segs.names) == 2 and segs.created == 2  # reused, not a third
-        segs.put("big", torch.ones(6 << 20, dtype=torch.uint8))
+        segs.reserve("big", 6 << 20)
         segs.release("big")  # over max_free_bytes: the oldest free segments are unlinked
         assert sum(1 for n in segs.names if n in _segments()) == len(segs.names)
         assert len(segs.names) <= 2
