@@ -130,24 +130,26 @@ def sweep_orphans() -> int:
 
 class Segments:
     """The sender's segments: a pull's payload goes into a free segment of at least its size
-    and at most twice it or 2 MiB (else a new one, whole 2 MiB units), which is the request's until
-    release, or until ``lease_s`` passes without one; then it is free for the next pull.
-    Free segments beyond ``max_free_bytes`` are unlinked, oldest first, and all at
-    ``close``. A new sender first sweeps the orphans of dead ones."""
+    and at most twice it or 2 MiB (else a new one, whole 2 MiB units). The segment is leased
+    to the request until its release, or until ``lease_s`` passes without one; then it is
+    free for the next pull. A request pulled twice holds both leases (a pull still writing
+    never shares its segment). Free segments beyond ``max_free_bytes`` are unlinked, oldest
+    first, and all at ``close``. A new sender first sweeps the orphans of dead ones."""
 
     def __init__(self, lease_s: float, max_free_bytes: int = 512 << 20) -> None:
         self.lease_s = lease_s
         self.max_free_bytes = max_free_bytes
         sweep_orphans()
         self._free: list[_Segment] = []  # oldest first
-        self._by_request: dict[str, tuple[_Segment, float]] = {}
+        self._leases: dict[str, list[tuple[_Segment, float]]] = {}  # by request id
         self._lock = threading.Lock()
         self.expired = 0  # leases that ran out (the receiver never released)
         self.created = 0
 
     def reserve(self, request_id: str, nbytes: int) -> tuple[str, torch.Tensor]:
-        """A segment of at least ``nbytes``, now ``request_id``'s: its name and its first
-        ``nbytes`` as a 1-D uint8 tensor for the caller to fill."""
+        """A segment of at least ``nbytes``, now leased to ``request_id``: its name and its
+        first ``nbytes`` as a 1-D uint8 tensor for the caller to fill."""
+        self.expire()
         n = max(1, nbytes)
         size = -(-n // _ALIGN) * _ALIGN  # what a new one would take
         with self._lock:
@@ -158,47 +160,50 @@ class Segments:
             seg = _Segment(name, size, create=True)
             self.created += 1
         with self._lock:
-            old = self._by_request.pop(request_id, None)
-            self._by_request[request_id] = (seg, time.monotonic())
-        if old is not None:
-            self._give_back(old[0])
-        self.expire()
+            self._leases.setdefault(request_id, []).append((seg, time.monotonic()))
         return seg.name, seg.data[:nbytes]
 
     def release(self, request_id: str) -> None:
         with self._lock:
-            entry = self._by_request.pop(request_id, None)
-        if entry is not None:
-            self._give_back(entry[0])
+            leases = self._leases.pop(request_id, [])
+        self._give_back([seg for seg, _ in leases])
 
     def expire(self) -> None:
         now = time.monotonic()
+        segs = []
         with self._lock:
-            old = [r for r, (_, t) in self._by_request.items() if now - t > self.lease_s]
-            segs = [self._by_request.pop(r)[0] for r in old]
+            for rid in list(self._leases):
+                keep = [(g, t) for g, t in self._leases[rid] if now - t <= self.lease_s]
+                segs += [g for g, t in self._leases[rid] if now - t > self.lease_s]
+                if keep:
+                    self._leases[rid] = keep
+                else:
+                    del self._leases[rid]
             self.expired += len(segs)
-        for seg in segs:
-            self._give_back(seg)
+        self._give_back(segs)
 
-    def _give_back(self, seg: _Segment) -> None:
+    def _give_back(self, segs: list[_Segment]) -> None:
         with self._lock:
-            self._free.append(seg)
+            self._free += segs
             drop = []
             while sum(g.size for g in self._free) > self.max_free_bytes:
                 drop.append(self._free.pop(0))
         for g in drop:
             _unlink(g.name)
 
+    def _leased(self) -> list[_Segment]:
+        return [g for leases in self._leases.values() for g, _ in leases]
+
     @property
     def names(self) -> set[str]:
         """Every segment this sender holds, leased or free."""
         with self._lock:
-            return {g.name for g in self._free} | {g.name for g, _ in self._by_request.values()}
+            return {g.name for g in self._free + self._leased()}
 
     def close(self) -> None:
         with self._lock:
-            segs = self._free + [g for g, _ in self._by_request.values()]
-            self._free, self._by_request = [], {}
+            segs = self._free + self._leased()
+            self._free, self._leases = [], {}
         for g in segs:
             _unlink(g.name)
 
