@@ -73,6 +73,7 @@ class Source:
 def serve(transport: str, sizes: list[float], chunk_bytes: int | None) -> None:
     """The sender process: prints its address, serves until stdin closes."""
     handles = {f"{mb}": handle(mb) for mb in sizes}
+    server = None
     if transport == "tcp":
         payloads = {
             f"{mb}": h.blocks.view(torch.uint8).reshape(-1).numpy()
@@ -99,10 +100,9 @@ def serve(transport: str, sizes: list[float], chunk_bytes: int | None) -> None:
         options = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
         server = get_transport(transport).serve(Source(handles), "127.0.0.1", 0, **options)
         print(server.address, flush=True)
-        sys.stdin.read()
-        server.stop()  # NOTE: shm: a stopped sender unlinks its segments
-        return
     sys.stdin.read()
+    if server is not None:
+        server.stop()  # NOTE: shm: a stopped sender unlinks its segments
 
 
 def floor_server(handles: dict[str, KVHandle], chunk_bytes: int) -> str:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from services.engine.host_buffers import FreeList, aligned
+
 SHM_DIR = Path("/dev/shm")
 
 
@@ -42,7 +44,6 @@ def host_id() -> str:
     return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
-_ALIGN = 2 << 20
 PREFIX = "pdserve-kv-"
 
 
@@ -129,18 +130,17 @@ def sweep_orphans() -> int:
 
 
 class Segments:
-    """The sender's segments: a pull's payload goes into a free segment of at least its size
-    and at most twice it or 2 MiB (else a new one, whole 2 MiB units). The segment is leased
-    to the request until its release, or until ``lease_s`` passes without one; then it is
-    free for the next pull. A request pulled twice holds both leases (a pull still writing
-    never shares its segment). Free segments beyond ``max_free_bytes`` are unlinked, oldest
-    first, and all at ``close``. A new sender first sweeps the orphans of dead ones."""
+    """The sender's segments: a pull's payload goes into a kept free segment (``FreeList``:
+    best fit) or a new one of whole 2 MiB units. The segment is leased to the request until
+    its release, or until ``lease_s`` passes without one; then it is kept for the next pull.
+    A request pulled twice holds both leases (a pull still writing never shares its
+    segment). Kept segments beyond ``max_free_bytes`` are unlinked, oldest first, and all at
+    ``close``. A new sender first sweeps the orphans of dead ones."""
 
     def __init__(self, lease_s: float, max_free_bytes: int = 512 << 20) -> None:
         self.lease_s = lease_s
-        self.max_free_bytes = max_free_bytes
         sweep_orphans()
-        self._free: list[_Segment] = []  # oldest first
+        self._free: FreeList[_Segment] = FreeList(lambda g: g.size, max_free_bytes)
         self._leases: dict[str, list[tuple[_Segment, float]]] = {}  # by request id
         self._lock = threading.Lock()
         self.expired = 0  # leases that ran out (the receiver never released)
@@ -151,13 +151,10 @@ class Segments:
         first ``nbytes`` as a 1-D uint8 tensor for the caller to fill."""
         self.expire()
         n = max(1, nbytes)
-        size = -(-n // _ALIGN) * _ALIGN  # what a new one would take
         with self._lock:
-            fits = [i for i, g in enumerate(self._free) if n <= g.size <= max(2 * n, size)]
-            seg = self._free.pop(min(fits, key=lambda i: self._free[i].size)) if fits else None
+            seg = self._free.take(n)
         if seg is None:
-            name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-            seg = _Segment(name, size, create=True)
+            seg = _Segment(f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}", aligned(n), True)
             self.created += 1
         with self._lock:
             self._leases.setdefault(request_id, []).append((seg, time.monotonic()))
@@ -166,7 +163,7 @@ class Segments:
     def release(self, request_id: str) -> None:
         with self._lock:
             leases = self._leases.pop(request_id, [])
-        self._give_back([seg for seg, _ in leases])
+        self._keep([seg for seg, _ in leases])
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -180,14 +177,11 @@ class Segments:
                 else:
                     del self._leases[rid]
             self.expired += len(segs)
-        self._give_back(segs)
+        self._keep(segs)
 
-    def _give_back(self, segs: list[_Segment]) -> None:
+    def _keep(self, segs: list[_Segment]) -> None:
         with self._lock:
-            self._free += segs
-            drop = []
-            while sum(g.size for g in self._free) > self.max_free_bytes:
-                drop.append(self._free.pop(0))
+            drop = self._free.put(segs)
         for g in drop:
             _unlink(g.name)
 
@@ -198,12 +192,12 @@ class Segments:
     def names(self) -> set[str]:
         """Every segment this sender holds, leased or free."""
         with self._lock:
-            return {g.name for g in self._free + self._leased()}
+            return {g.name for g in self._free.items + self._leased()}
 
     def close(self) -> None:
         with self._lock:
-            segs = self._free + self._leased()
-            self._free, self._leases = [], {}
+            segs = self._free.drain() + self._leased()
+            self._leases = {}
         for g in segs:
             _unlink(g.name)
 

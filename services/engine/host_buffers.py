@@ -17,12 +17,64 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
 
-_ALIGN = 2 << 20  # huge-page size: pooled buffers are whole huge pages
+ALIGN = 2 << 20  # huge-page size: pooled buffers are whole huge pages
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to whole ``ALIGN`` units: what a new pooled buffer takes."""
+    return -(-n // ALIGN) * ALIGN
+
+
+T = TypeVar("T")
+
+
+class FreeList(Generic[T]):
+    """Spent buffers kept for reuse (any kind: numpy arrays, shared-memory segments), oldest
+    first, at most ``max_bytes`` of them. Not locked: its owner's lock guards it.
+
+    A take gets the smallest kept buffer of at least ``n`` bytes and at most
+    ``max(2n, aligned(n))`` (a small request never pins a huge buffer), or None."""
+
+    def __init__(self, size: Callable[[T], int], max_bytes: int) -> None:
+        self.size, self.max_bytes = size, max_bytes
+        self.items: list[T] = []
+        self.nbytes = 0
+
+    def take(self, n: int) -> T | None:
+        top = max(2 * n, aligned(n))
+        fits = [i for i, b in enumerate(self.items) if n <= self.size(b) <= top]
+        if not fits:
+            return None
+        item = self.items.pop(min(fits, key=lambda i: self.size(self.items[i])))
+        self.nbytes -= self.size(item)
+        return item
+
+    def put(self, items: Iterable[T]) -> list[T]:
+        """Keep ``items``; returns what no longer fits the bound (oldest first)."""
+        for item in items:
+            self.items.append(item)
+            self.nbytes += self.size(item)
+        return self.bound(self.max_bytes)
+
+    def bound(self, max_bytes: int) -> list[T]:
+        """Set the bound; returns the oldest kept buffers beyond it, dropped."""
+        self.max_bytes = max_bytes
+        dropped = []
+        while self.nbytes > self.max_bytes:
+            dropped.append(self.items.pop(0))
+            self.nbytes -= self.size(dropped[-1])
+        return dropped
+
+    def drain(self) -> list[T]:
+        dropped, self.items, self.nbytes = self.items, [], 0
+        return dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,18 +87,13 @@ class PoolStats:
 
 class HostBufferPool:
     """Hands out uninitialised 1-D uint8 host tensors of at least ``min_bytes``, reusing
-    returned buffers; keeps at most ``max_free_bytes`` of returned ones (oldest dropped).
-
-    A take reuses the smallest free buffer of at least ``n`` bytes and at most twice that
-    (a small request never pins a huge buffer); else it allocates ``n`` rounded up to whole
-    huge pages. Smaller takes get fresh memory (the allocator reuses small blocks anyway).
-    """
+    returned buffers (``FreeList``: best fit, at most ``max_free_bytes`` kept); a new one
+    is ``n`` rounded up to whole huge pages. Smaller takes get fresh memory (the allocator
+    reuses small blocks anyway)."""
 
     def __init__(self, max_free_bytes: int = 512 << 20, min_bytes: int = 1 << 20) -> None:
-        self.max_free_bytes = max_free_bytes
         self.min_bytes = min_bytes
-        self._free: list[np.ndarray] = []  # oldest first
-        self._free_bytes = 0
+        self._free: FreeList[np.ndarray] = FreeList(lambda b: b.nbytes, max_free_bytes)
         self._in_use_bytes = 0
         self._hits = self._misses = 0
         self._lock = threading.Lock()
@@ -59,17 +106,14 @@ class HostBufferPool:
                 else torch.empty(0, dtype=torch.uint8)
             )
         with self._lock:
-            fits = [i for i, b in enumerate(self._free) if n <= b.nbytes <= 2 * n]
-            if fits:
-                base = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
-                self._free_bytes -= base.nbytes
-                self._hits += 1
-            else:
-                base = None
+            base = self._free.take(n)
+            if base is None:
                 self._misses += 1
+            else:
+                self._hits += 1
         if base is None:
             # NOTE: numpy asks the kernel for huge pages for large arrays (madvise)
-            base = np.empty(-(-n // _ALIGN) * _ALIGN, dtype=np.uint8)
+            base = np.empty(aligned(n), dtype=np.uint8)
         with self._lock:
             self._in_use_bytes += base.nbytes
         view = base[:n]
@@ -80,28 +124,17 @@ class HostBufferPool:
     def _give_back(self, base: np.ndarray) -> None:
         with self._lock:
             self._in_use_bytes -= base.nbytes
-            self._free.append(base)
-            self._free_bytes += base.nbytes
-            while self._free_bytes > self.max_free_bytes:  # NOTE: oldest first
-                self._free_bytes -= self._free.pop(0).nbytes
+            self._free.put([base])
 
     def configure(self, max_free_bytes: int) -> None:
         """Set the bound on kept buffers (a replica's ``kv_host_buffer_mb``); drops the
         oldest kept ones beyond it now."""
         with self._lock:
-            self.max_free_bytes = max_free_bytes
-            while self._free_bytes > self.max_free_bytes:
-                self._free_bytes -= self._free.pop(0).nbytes
+            self._free.bound(max_free_bytes)
 
     def stats(self) -> PoolStats:
         with self._lock:
-            return PoolStats(self._hits, self._misses, self._free_bytes, self._in_use_bytes)
-
-    def clear(self) -> None:
-        """Drop every returned buffer (buffers in use still come back later)."""
-        with self._lock:
-            self._free.clear()
-            self._free_bytes = 0
+            return PoolStats(self._hits, self._misses, self._free.nbytes, self._in_use_bytes)
 
 
 # NOTE: one per process: received and exported KV of every transport draw from it

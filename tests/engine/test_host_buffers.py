@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from services.engine.host_buffers import HostBufferPool
+from services.engine.host_buffers import HOST_BUFFERS, HostBufferPool
 from services.engine.kv_cache import empty_bytes
 
 MB = 1 << 20
@@ -59,8 +59,13 @@ def test_fit_and_bounds():
 
 
 def test_engine_buffers_come_from_the_pool_on_the_host():
+    before = HOST_BUFFERS.stats().in_use_bytes
     t = empty_bytes(3 * MB)
     assert t.dtype == torch.uint8 and t.shape == (3 * MB,) and t.device.type == "cpu"
+    assert HOST_BUFFERS.stats().in_use_bytes == before + 4 * MB  # whole huge pages
+    del t
+    gc.collect()
+    assert HOST_BUFFERS.stats().in_use_bytes == before
 
 
 def test_configure_bounds_what_is_kept_at_once_and_zero_keeps_nothing():
