@@ -1,13 +1,19 @@
-"""Attention over the paged KV cache, behind a small registry of backends.
+"""Attention over the paged KV cache: the step's metadata and the torch reference backend.
+
+One ``AttentionMetadata`` describes a step for every layer and every backend, in the layout
+paged kernels take (FlashAttention varlen / vLLM style): a row of the block table, the total
+context length and the query range of each sequence. Its tensors live on the engine's device
+and are built from persistent device state (``services.engine.step_state``); the host keeps
+O(num_seqs) copies of the lengths for launch grids and for the reference backend's split.
 
 The torch backend is the reference: it gathers each sequence's keys and values through its
-block table and runs scaled-dot-product attention. ``triton`` is the GPU backend's slot.
-Metadata is built once per step (``build_metadata``) and shared by every layer.
+block table and runs scaled-dot-product attention. The Triton backend
+(``services.engine.triton_backend``) consumes the same metadata.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,82 +33,74 @@ class SeqSpan:
 
 
 @dataclass(slots=True)
-class PrefillPart:
-    q_start: int  # offset of this sequence's tokens in the step's flat token array
-    q_end: int
-    slots: torch.Tensor  # [ctx_len] slot of every context token, in position order
-    mask: torch.Tensor | None  # [num_new, ctx_len] bool, True = attend; None = plain causal
-
-
-@dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] where each new token's k/v is written
-    decode_idx: torch.Tensor | None  # [num_decode] flat indices of single-token sequences
-    decode_slots: torch.Tensor | None  # [num_decode, max_ctx] slots of each context, padded
-    decode_bias: torch.Tensor | None  # [num_decode, 1, max_ctx] 0 where attended, -inf at padding
-    prefills: list[PrefillPart]
+    """A step's sequences, as every layer's attention sees them.
+
+    Invariant: sequence i owns query rows ``[query_start_loc[i], query_start_loc[i+1])``, whose
+    positions are ``context_lens[i] - query_lens[i]`` onwards; their keys and values are in the
+    cache (written by the layer) before attention runs.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's k/v goes to
+    block_tables: torch.Tensor  # [num_seqs, width] int32: block ids, padded past the end
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    query_lens: list[int]  # host copies, O(num_seqs)
+    context_lens: list[int]
+    block_size: int
+    sliding_window: int | None = None
+    # upper bound of context_lens that kernel grids are sized by; under CUDA graphs it is the
+    # engine's max_model_len, so one captured launch serves every replay
+    max_seq_len: int = 0
+    plan: object | None = None  # the backend's once-per-step precomputation (see prepare)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
 
 
 def build_metadata(
     spans: Sequence[SeqSpan], block_size: int, device: str, sliding_window: int | None = None
 ) -> AttentionMetadata:
-    """Index tensors for one step whose tokens are the concatenation of ``spans``."""
-    slot_mapping: list[int] = []
-    decode_idx: list[int] = []
-    decode_tables: list[Sequence[int]] = []
-    decode_lens: list[int] = []
-    prefills: list[PrefillPart] = []
-    offset = 0
-    for s in spans:
-        end = s.start + s.num_new
-        table = s.block_table
-        slot_mapping.extend(
-            table[p // block_size] * block_size + p % block_size for p in range(s.start, end)
+    """Metadata from explicit block tables (tests, tools). The engine builds the same thing
+    from its persistent device tables instead (``StepState``)."""
+    width = max(-(-(s.start + s.num_new) // block_size) for s in spans)
+    tables = torch.zeros((len(spans), width), dtype=torch.int32)
+    slots: list[int] = []
+    for i, s in enumerate(spans):
+        n = -(-(s.start + s.num_new) // block_size)
+        tables[i, :n] = torch.tensor(list(s.block_table[:n]), dtype=torch.int32)
+        t = s.block_table
+        slots.extend(
+            t[p // block_size] * block_size + p % block_size
+            for p in range(s.start, s.start + s.num_new)
         )
-        if s.num_new == 1:
-            decode_idx.append(offset)
-            decode_tables.append(table[: -(-end // block_size)])
-            decode_lens.append(end)
-        else:
-            bt = torch.tensor(table[: -(-end // block_size)], dtype=torch.long)
-            slots = (bt[:, None] * block_size + torch.arange(block_size)).flatten()[:end]
-            mask = None
-            if s.start > 0 or sliding_window is not None:
-                q_pos = torch.arange(s.start, end)[:, None]
-                k_pos = torch.arange(end)[None, :]
-                mask = k_pos <= q_pos
-                if sliding_window is not None:
-                    mask &= k_pos > q_pos - sliding_window
-                mask = mask.to(device)
-            prefills.append(PrefillPart(offset, offset + s.num_new, slots.to(device), mask))
-        offset += s.num_new
-    d_idx = d_slots = d_bias = None
-    if decode_idx:
-        width = max(len(t) for t in decode_tables)
-        blocks = torch.tensor(
-            [list(t) + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long
-        )
-        max_len = max(decode_lens)
-        slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :max_len]
-        lens = torch.tensor(decode_lens)
-        k_pos = torch.arange(max_len)[None, :]
-        mask = k_pos < lens[:, None]
-        if sliding_window is not None:
-            mask &= k_pos > (lens[:, None] - 1 - sliding_window)
-        bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-        d_idx = torch.tensor(decode_idx, dtype=torch.long, device=device)
-        d_slots = slots.contiguous().to(device)
-        d_bias = bias[:, None, :].to(device)
+    q_lens = [s.num_new for s in spans]
+    ctx = [s.start + s.num_new for s in spans]
+    qsl = torch.zeros(len(spans) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        decode_idx=d_idx,
-        decode_slots=d_slots,
-        decode_bias=d_bias,
-        prefills=prefills,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=tables.to(device),
+        seq_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+        query_start_loc=qsl.to(device),
+        query_lens=q_lens,
+        context_lens=ctx,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        max_seq_len=max(ctx),
     )
 
 
 class AttentionBackend(Protocol):
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Once per step, before the first layer: precompute what every layer shares."""
+        ...
+
     def forward(
         self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -113,6 +111,33 @@ class AttentionBackend(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class _DecodePlan:
+    rows: torch.Tensor | None  # [num_decode] flat token rows; None = every row of the step
+    slots: torch.Tensor  # [num_decode, max_ctx] slot of each context position, padded
+    bias: torch.Tensor  # [num_decode, 1, max_ctx] fp32: 0 where attended, -inf elsewhere
+
+
+@dataclass(slots=True)
+class _PrefillPart:
+    q_start: int  # offset of this sequence's tokens in the step's flat token array
+    q_end: int
+    slots: torch.Tensor  # [ctx_len] slot of every context token, in position order
+    mask: torch.Tensor | None  # [num_new, ctx_len] bool, True = attend; None = plain causal
+
+
+@dataclass(slots=True)
+class _TorchPlan:
+    decode: _DecodePlan | None
+    prefills: list[_PrefillPart]
+
+
+def _slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """[n, width] block ids -> [n, length] slot of every position (length <= width * bs)."""
+    offs = torch.arange(block_size, device=tables.device)
+    return (tables.long()[:, :, None] * block_size + offs).flatten(1)[:, :length]
+
+
 class TorchAttention:
     """Reference backend: gather through block tables, then plain torch attention.
 
@@ -121,16 +146,54 @@ class TorchAttention:
     both repeating KV heads and the flash kernel's poor single-query performance.
     """
 
+    def prepare(self, meta: AttentionMetadata) -> None:
+        bs, window = meta.block_size, meta.sliding_window
+        dec = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        decode = None
+        if dec:
+            every = len(dec) == meta.num_seqs
+            idx = None if every else torch.tensor(dec, device=meta.block_tables.device)
+            tables = meta.block_tables if idx is None else meta.block_tables[idx]
+            lens = meta.seq_lens if idx is None else meta.seq_lens[idx]
+            max_len = max(meta.context_lens[i] for i in dec)
+            k_pos = torch.arange(max_len, device=tables.device)[None, :]
+            mask = k_pos < lens[:, None]
+            if window is not None:
+                mask &= k_pos > (lens[:, None] - 1 - window)
+            bias = torch.zeros(mask.shape, device=tables.device).masked_fill_(~mask, -torch.inf)
+            rows = None if idx is None else meta.query_start_loc[idx].long()
+            decode = _DecodePlan(rows, _slots(tables, bs, max_len), bias[:, None, :])
+        prefills = []
+        starts = meta.query_start_loc.tolist() if len(dec) < meta.num_seqs else []
+        for i, n in enumerate(meta.query_lens):
+            if n == 1:
+                continue
+            end = meta.context_lens[i]
+            start = end - n
+            slots = _slots(meta.block_tables[i : i + 1], bs, end)[0]
+            mask = None
+            if start > 0 or window is not None:
+                q_pos = torch.arange(start, end, device=slots.device)[:, None]
+                k_pos = torch.arange(end, device=slots.device)[None, :]
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= k_pos > q_pos - window
+            prefills.append(_PrefillPart(starts[i], starts[i] + n, slots, mask))
+        meta.plan = _TorchPlan(decode, prefills)
+
     def forward(
         self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:
+        plan = meta.plan
+        assert isinstance(plan, _TorchPlan), "prepare(meta) runs once per step, before forward"
         kflat, vflat = cache.flat(layer)  # [kv_heads, slots, head_dim]
-        if meta.decode_idx is not None and not meta.prefills and len(meta.decode_idx) == q.shape[0]:
-            return self._decode(q, kflat, vflat, meta)  # pure decode step: no scatter needed
+        if plan.decode is not None and plan.decode.rows is None:
+            return self._decode(q, kflat, vflat, plan.decode)  # pure decode: no scatter needed
         out = torch.empty_like(q)
-        if meta.decode_idx is not None:
-            out[meta.decode_idx] = self._decode(q[meta.decode_idx], kflat, vflat, meta)
-        for p in meta.prefills:
+        if plan.decode is not None:
+            rows = plan.decode.rows
+            out[rows] = self._decode(q[rows], kflat, vflat, plan.decode)
+        for p in plan.prefills:
             # NOTE: 4-D inputs: torch's CPU flash kernel only takes those (3-D falls back to the
             # quadratic-memory math path, 5x slower at 2k tokens).
             qs = q[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
@@ -144,45 +207,18 @@ class TorchAttention:
 
     @staticmethod
     def _decode(
-        q: torch.Tensor, kflat: torch.Tensor, vflat: torch.Tensor, meta: AttentionMetadata
+        q: torch.Tensor, kflat: torch.Tensor, vflat: torch.Tensor, plan: _DecodePlan
     ) -> torch.Tensor:
-        assert meta.decode_slots is not None and meta.decode_bias is not None
         b, heads, dim = q.shape
         g = kflat.shape[0]
-        ctx = meta.decode_slots.shape[1]
-        flat_slots = meta.decode_slots.view(-1)
+        ctx = plan.slots.shape[1]
+        flat_slots = plan.slots.reshape(-1)
         k = kflat.index_select(1, flat_slots).view(g, b, ctx, dim)  # [kv_heads, b, ctx, head_dim]
         v = vflat.index_select(1, flat_slots).view(g, b, ctx, dim)
         qg = q.view(b, g, heads // g, dim).transpose(0, 1)  # [kv_heads, b, group, head_dim]
         scores = torch.matmul(qg, k.transpose(-1, -2)) * dim**-0.5  # [kv_heads, b, group, ctx]
-        probs = torch.softmax(scores + meta.decode_bias, dim=-1)
+        # NOTE: softmax in fp32 whatever the model dtype (the bias is fp32); the probabilities
+        # go back to the cache dtype for the product with v, as SDPA does in bf16/fp16.
+        probs = torch.softmax(scores.float() + plan.bias, dim=-1).to(v.dtype)
         o = torch.matmul(probs, v)  # [kv_heads, b, group, head_dim]
         return o.transpose(0, 1).reshape(b, heads, dim)
-
-
-def _load_torch() -> AttentionBackend:
-    return TorchAttention()
-
-
-def _load_triton() -> AttentionBackend:
-    # NOTE: imported lazily so that CPU machines never import Triton.
-    raise NotImplementedError(
-        "attention backend 'triton' is reserved for the CUDA kernels and is not built yet; use 'torch'"
-    )
-
-
-ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
-    "torch": _load_torch,
-    "triton": _load_triton,
-}
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    """Instantiate a backend by name; the error lists the valid names."""
-    try:
-        loader = ATTENTION_BACKENDS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}"
-        ) from None
-    return loader()

@@ -170,7 +170,13 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     threads: int = 1
-    attention_backend: str = "torch"
+    # "auto": triton on CUDA, torch elsewhere (see services.engine.backend)
+    attention_backend: str = "auto"
+    # CUDA only: capture pure decode steps as CUDA graphs (needs a graph-safe backend)
+    cuda_graphs: bool = True
+    # CUDA only: size the KV pool from device memory (this fraction of the device for weights,
+    # activations and KV together); None = exactly num_kv_blocks
+    gpu_memory_utilization: float | None = 0.9
     # CPU: also keep oneDNN-packed weights for batched steps (about 2x the weight memory,
     # up to 2x faster batched decode and prefill); off keeps one copy
     prepack_weights: bool = True
@@ -191,5 +197,7 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.role must be both, prefill or decode, got {self.role!r}"
             )
+        if self.gpu_memory_utilization is not None and not (0 < self.gpu_memory_utilization <= 1):
+            raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1]")
         if not math.isfinite(self.kv_hold_timeout_s) or self.kv_hold_timeout_s <= 0:
             raise ValueError("EngineConfig.kv_hold_timeout_s must be > 0")

@@ -23,25 +23,40 @@ from pathlib import Path
 
 import torch
 
-from services.engine.attention import get_attention_backend
+from services.engine.backend import get_backend
 from services.engine.block_hash import hash_block, hash_blocks
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.errors import InvalidRequestError, LayoutMismatchError, UnknownRequestError
 from services.engine.kv_cache import KVCache
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_stream import KVPiece, KVSink
 from services.engine.loader import LoadedModel, load_model
+from services.engine.memory import activation_bytes, blocks_for_memory
 from services.engine.model import LayerHook, LlamaModel
 from services.engine.model_runner import ModelRunner
 from services.engine.request import FinishReason, Request, RequestOutput, Status
 from services.engine.sampler import sample
 from services.engine.sampling_params import SamplingParams, check_prompt
 from services.engine.scheduler import ScheduledSpan, Scheduler
+from services.engine.step_state import StepState
 from services.engine.stop import StopChecker
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def can_prepack(device: str, dtype: torch.dtype) -> bool:
+    """oneDNN packs weights on CPU; in bf16 / fp16 only where the CPU has the instructions
+    its kernels need (AVX-512 or AVX-NE-CONVERT; it raises otherwise)."""
+    if device != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +100,14 @@ class Engine:
             max_positions=self.max_model_len,
             dtype=dtype,
             device=config.device,
-            prepack=config.prepack_weights
-            and config.device == "cpu"
-            and torch.backends.mkldnn.is_available(),
+            prepack=config.prepack_weights and can_prepack(config.device, dtype),
         )
         mc = loaded.config
+        self.backend = get_backend(config.attention_backend, config.device)
+        num_blocks = self._num_kv_blocks(config, dtype)
         self.cache = KVCache(
             mc.num_layers,
-            config.num_kv_blocks,
+            num_blocks,
             config.block_size,
             mc.num_kv_heads,
             mc.head_dim,
@@ -100,18 +115,31 @@ class Engine:
             config.device,
         )
         self.blocks = BlockManager(
-            config.num_kv_blocks,
+            num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config, self.blocks)
-        self.runner = ModelRunner(
-            self.model,
-            self.cache,
+        self.step_state = StepState(
             self.blocks,
-            get_attention_backend(config.attention_backend),
+            config.max_num_seqs,
+            self.max_model_len,
+            self.cache.scratch_block,
             config.device,
+            mc.sliding_window,
         )
+        graphs = None
+        on_cuda = torch.device(config.device).type == "cuda"
+        if config.cuda_graphs and on_cuda and self.backend.graph_safe:
+            graphs = DecodeGraphs(
+                self.model,
+                self.cache,
+                self.step_state,
+                self.backend,
+                config.max_num_seqs,
+                capture=True,
+            )
+        self.runner = ModelRunner(self.model, self.cache, self.step_state, self.backend, graphs)
         self.fingerprint = LayoutFingerprint(
             self.model_id,
             mc.num_layers,
@@ -364,6 +392,24 @@ class Engine:
         self.blocks.check_integrity()
 
     # ---- internals -----------------------------------------------------------------------
+    def _num_kv_blocks(self, config: EngineConfig, dtype: torch.dtype) -> int:
+        """``num_kv_blocks``, or on CUDA with ``gpu_memory_utilization`` what fits on the
+        device next to the weights already loaded and the activations of a full step."""
+        dev = torch.device(config.device)
+        if dev.type != "cuda" or config.gpu_memory_utilization is None:
+            return config.num_kv_blocks
+        mc = self.model_config
+        free, total = torch.cuda.mem_get_info(dev)
+        return blocks_for_memory(
+            total=total,
+            free=free,
+            utilization=config.gpu_memory_utilization,
+            bytes_per_block=KVCache.bytes_per_block(
+                mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype
+            ),
+            activation_bytes=activation_bytes(mc, config, dtype),
+        )
+
     def _handle(self, req: Request, blocks: torch.Tensor) -> KVHandle:
         return KVHandle(
             request_id=req.request_id,

@@ -26,6 +26,8 @@ class KVCache:
     every head.
     NOTE: heads outermost so that gathering a batch's context yields ``[kv_heads, ..., ctx,
     head_dim]``, which attention consumes without another transpose copy.
+    One more block than ``num_blocks`` is allocated: ``scratch_block``, owned by no request,
+    where padded sequences of a CUDA-graph bucket write and read.
     """
 
     def __init__(
@@ -38,10 +40,19 @@ class KVCache:
         dtype: torch.dtype,
         device: str,
     ) -> None:
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)
         self.block_size = block_size
+        self.scratch_block = num_blocks
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Device bytes one block takes over every layer, keys and values."""
+        esize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * esize
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim]; slots: [num_tokens] int64."""

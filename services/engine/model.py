@@ -11,12 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from services.engine.attention import AttentionBackend, AttentionMetadata
+from services.engine.attention import AttentionMetadata
+from services.engine.backend import Backend
 from services.engine.config import ModelConfig
 from services.engine.errors import ModelLoadError
 from services.engine.kv_cache import KVCache
+from services.engine.layer_ops import rms_norm as rms_norm  # re-exported (tests, kernels)
 from services.engine.rope import Rotary
 
 # (layer, keys, values) of the step's tokens, called once the layer's KV is in the cache
@@ -56,13 +57,6 @@ class Linear:
         if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return torch.addmm(self.bias, x, self.w_t) if self.bias is not None else x @ self.w_t
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same op order as HF's LlamaRMSNorm, so fp32 results match bit for bit.
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class LlamaModel:
@@ -193,32 +187,40 @@ class LlamaModel:
         positions: torch.Tensor,  # [num_tokens]
         cache: KVCache,
         meta: AttentionMetadata,
-        attention: AttentionBackend,
+        backend: Backend,
         logits_idx: torch.Tensor,  # [num_sampled] rows whose next-token logits are needed
         layer_hook: LayerHook | None = None,
     ) -> torch.Tensor:
         """Returns fp32 logits [num_sampled, vocab]. ``layer_hook(i, k, v)`` runs right after
-        layer i's keys and values ([num_tokens, kv_heads, head_dim]) are in the cache."""
+        layer i's keys and values ([num_tokens, kv_heads, head_dim]) are in the cache.
+
+        NOTE: no host sync anywhere in here (sizes come from tensor shapes and ``meta``'s host
+        fields), so a CUDA graph can capture a decode step whole."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
+        ops, attention = backend.ops, backend.attention
         n = input_ids.shape[0]
         x = self.embed[input_ids]  # [num_tokens, hidden]
-        cos = self.rotary.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.rotary.sin[positions].unsqueeze(1)
+        residual: torch.Tensor | None = None
+        rope = ops.rope_tables(positions, self.rotary)
+        attention.prepare(meta)
         for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw.attn_norm, eps)
-            qkv = lw.qkv(h)
-            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = self.rotary.apply(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self.rotary.apply(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-            cache.write(i, k, v, meta.slot_mapping)
+            h, residual = ops.add_rms_norm(x, residual, lw.attn_norm, eps)
+            q, k, v = lw.qkv(h).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q, k = ops.rope_and_cache(
+                q.view(n, cfg.num_heads, cfg.head_dim),
+                k.view(n, cfg.num_kv_heads, cfg.head_dim),
+                v.view(n, cfg.num_kv_heads, cfg.head_dim),
+                rope,
+                cache,
+                i,
+                meta.slot_mapping,
+            )
             if layer_hook is not None:
-                layer_hook(i, k, v)
-            o = attention.forward(q, cache, i, meta).reshape(n, self.q_size)
-            x = x + lw.o(o)
-            h = rms_norm(x, lw.mlp_norm, eps)
-            gate, up = lw.gate_up(h).chunk(2, dim=-1)
-            x = x + lw.down(F.silu(gate) * up)
-        x = rms_norm(x[logits_idx], self.norm, eps)
-        return self.lm_head(x).float()
+                layer_hook(i, k, v.view(n, cfg.num_kv_heads, cfg.head_dim))
+            x = lw.o(attention.forward(q, cache, i, meta).reshape(n, self.q_size))
+            h, residual = ops.add_rms_norm(x, residual, lw.mlp_norm, eps)
+            x = lw.down(ops.silu_and_mul(lw.gate_up(h)))
+        assert residual is not None
+        h, _ = ops.add_rms_norm(x[logits_idx], residual[logits_idx], self.norm, eps)
+        return self.lm_head(h).float()

@@ -1,4 +1,8 @@
-"""Turns a scheduled step into tensors, runs the model, and returns next-token logits."""
+"""Turns a scheduled step into device inputs, runs the model, and returns next-token logits.
+
+Pure decode steps go through ``DecodeGraphs`` when CUDA graphs are on (captured once per
+batch-size bucket, replayed with padded inputs); prefill and mixed steps run eagerly.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,12 @@ from collections.abc import Sequence
 
 import torch
 
-from services.engine.attention import AttentionBackend, SeqSpan, build_metadata
-from services.engine.block_manager import BlockManager
+from services.engine.backend import Backend
+from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.kv_cache import KVCache
 from services.engine.model import LayerHook, LlamaModel
 from services.engine.scheduler import ScheduledSpan
+from services.engine.step_state import StepState
 
 
 class ModelRunner:
@@ -18,43 +23,34 @@ class ModelRunner:
         self,
         model: LlamaModel,
         cache: KVCache,
-        blocks: BlockManager,
-        attention: AttentionBackend,
-        device: str,
+        state: StepState,
+        backend: Backend,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
-        self.blocks = blocks
-        self.attention = attention
-        self.device = device
+        self.state = state
+        self.backend = backend
+        self.graphs = graphs
 
     def run(
         self, spans: Sequence[ScheduledSpan], layer_hook: LayerHook | None = None
     ) -> torch.Tensor:
         """Computes KV for every span; returns fp32 logits [num sampling spans, vocab] in span order."""
-        ids: list[int] = []
-        positions: list[int] = []
-        seq_spans: list[SeqSpan] = []
-        logits_idx: list[int] = []
-        for s in spans:
-            end = s.start + s.num_new
-            ids.extend(s.request.token_ids[s.start : end])
-            positions.extend(range(s.start, end))
-            seq_spans.append(
-                SeqSpan(s.start, s.num_new, self.blocks.block_table(s.request.request_id))
-            )
-            if s.samples:
-                logits_idx.append(len(ids) - 1)
-        meta = build_metadata(
-            seq_spans, self.cache.block_size, self.device, self.model.cfg.sliding_window
-        )
-        dev = self.device
+        if (
+            self.graphs is not None
+            and layer_hook is None
+            and all(s.num_new == 1 for s in spans)
+            and self.graphs.fits(len(spans))
+        ):
+            return self.graphs.run(spans)
+        inp = self.state.build(spans)
         return self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+            inp.input_ids,
+            inp.positions,
             self.cache,
-            meta,
-            self.attention,
-            torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            inp.meta,
+            self.backend,
+            inp.logits_idx,
             layer_hook,
         )

@@ -43,7 +43,8 @@ class Rotary:
         self.cos = emb.cos().to(dtype=dtype, device=device)  # [max_positions, head_dim]
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, 1, head_dim]."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from services.engine.attention import SeqSpan, build_metadata, get_attention_backend
+from services.engine.attention import SeqSpan, TorchAttention, build_metadata
+from services.engine.backend import get_backend
 from services.engine.kv_cache import KVCache
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
@@ -56,7 +57,9 @@ def test_paged_equals_dense_ragged_mixed_batch(block_size, window):
     new_v = torch.cat([v[s.start :] for s, v in zip(spans, full_v)])
     cache.write(0, new_k, new_v, meta.slot_mapping)
     q = torch.randn(new_k.shape[0], HEADS, HEAD_DIM)
-    out = get_attention_backend("torch").forward(q, cache, 0, meta)
+    backend = TorchAttention()
+    backend.prepare(meta)
+    out = backend.forward(q, cache, 0, meta)
     offset = 0
     for s, k, v in zip(spans, full_k, full_v):
         ref = dense_attention(q[offset : offset + s.num_new], k, v, s.start, window)
@@ -80,7 +83,9 @@ def test_pure_decode_batch_matches_dense():
         vs.append(v)
     meta = build_metadata(spans, bs, "cpu")
     q = torch.randn(len(lens), HEADS, HEAD_DIM)
-    out = get_attention_backend("torch").forward(q, cache, 0, meta)
+    backend = TorchAttention()
+    backend.prepare(meta)
+    out = backend.forward(q, cache, 0, meta)
     for i, n in enumerate(lens):
         torch.testing.assert_close(
             out[i : i + 1], dense_attention(q[i : i + 1], ks[i], vs[i], n - 1), rtol=1e-5, atol=1e-5
@@ -88,7 +93,6 @@ def test_pure_decode_batch_matches_dense():
 
 
 def test_backend_registry_names_valid_choices():
-    with pytest.raises(ValueError, match="torch, triton"):
-        get_attention_backend("flash")
-    with pytest.raises(NotImplementedError, match="triton"):
-        get_attention_backend("triton")
+    with pytest.raises(ValueError, match="auto, torch, triton"):
+        get_backend("flash")
+    assert get_backend("auto", "cpu").name == "torch"
