@@ -27,6 +27,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="kernels (auto: triton on CUDA, torch elsewhere)",
+    )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=1024, help="KV blocks in the pool")
     g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="per-step token budget")
@@ -134,6 +141,8 @@ def _generate(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             threads=args.threads,
             dtype=args.dtype,
+            device=args.device,
+            attention_backend=args.attention_backend,
         ),
     )
     load_s = time.perf_counter() - t0

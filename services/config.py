@@ -110,6 +110,19 @@ class ServeConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("cpu", description="cpu or cuda")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="kernels: auto = triton on CUDA, torch (the reference) elsewhere"
+    )
+    cuda_graphs: bool = Field(
+        True, description="CUDA: replay decode steps as CUDA graphs (triton backend)"
+    )
+    gpu_memory_utilization: float | None = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="CUDA: share of device memory for weights, activations and the KV pool, "
+        "which takes what is left (num_kv_blocks is then ignored); null = num_kv_blocks",
+    )
     http_host: str = Field("127.0.0.1", description="HTTP bind address")
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP API")
     grpc_port: int = Field(
@@ -213,6 +226,9 @@ class ServeConfig(BaseModel):
             role=role,
             dtype=self.dtype,
             device=self.device,
+            attention_backend=self.attention_backend,
+            cuda_graphs=self.cuda_graphs,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             threads=pool.threads,
             kv_hold_timeout_s=self.kv_hold_timeout_s,
         )

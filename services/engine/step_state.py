@@ -97,7 +97,9 @@ class BlockTables:
             cols.extend(range(first, first + len(values)))
             vals.extend(values)
         self._pending.clear()
-        idx = torch.tensor([rows, cols, vals], dtype=torch.int32).pin_memory()
+        idx = torch.tensor([rows, cols, vals], dtype=torch.int32)
+        if self.device.type == "cuda":
+            idx = idx.pin_memory()  # an asynchronous copy needs pinned memory
         idx = idx.to(self.device, non_blocking=True)
         self.device_tables[idx[0].long(), idx[1].long()] = idx[2]
 
@@ -151,8 +153,10 @@ class StepState:
         self.tables.flush()
         n_seqs, n_tok = len(rows), len(ids)
         packed = torch.tensor(rows + starts + q_lens + ids + sampled, dtype=torch.int64)
-        if self.device.type != "cpu":
+        if self.device.type == "cuda":
             packed = packed.pin_memory().to(self.device, non_blocking=True)
+        elif self.device.type != "cpu":
+            packed = packed.to(self.device)
         rows_t, starts_t, q_lens_t, ids_t, sampled_t = packed.split(
             (n_seqs, n_seqs, n_seqs, n_tok, len(sampled))
         )

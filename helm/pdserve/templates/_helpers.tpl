@@ -105,6 +105,9 @@ conditional_threshold: {{ $s.conditionalThreshold }}
 block_size: {{ $s.blockSize }}
 dtype: {{ $s.dtype }}
 device: {{ if $gpu }}cuda{{ else }}cpu{{ end }}
+attention_backend: {{ $s.attentionBackend }}
+cuda_graphs: {{ $s.cudaGraphs }}
+gpu_memory_utilization: {{ $s.gpuMemoryUtilization }}
 http_host: 0.0.0.0
 http_port: {{ $v.ports.http }}
 grpc_port: {{ $v.ports.grpc }}
