@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from services.engine.attention import SeqSpan, build_metadata
 from services.engine.cuda_graphs import DecodeGraphs, batch_buckets
