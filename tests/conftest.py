@@ -14,6 +14,10 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+if not torch.cuda.is_available():
+    # Triton kernels run under its interpreter on CPU tensors (their CPU twins); it must be set
+    # before a kernel module is imported, since Triton reads it when @triton.jit runs
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
