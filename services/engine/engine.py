@@ -139,6 +139,7 @@ class Engine:
                 config.max_num_seqs,
                 capture=True,
             )
+            graphs.capture_all()  # at start, as padding only: no request waits for a capture
         self.runner = ModelRunner(self.model, self.cache, self.step_state, self.backend, graphs)
         self.fingerprint = LayoutFingerprint(
             self.model_id,
