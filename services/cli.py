@@ -26,7 +26,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct)",
     )
     g.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on GPUs and CPUs with native bf16, else float32",
+    )
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="weights: auto keeps a GGUF's quantized weights (CPU kernels)",
+    )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument(
         "--attention-backend",
@@ -141,6 +152,7 @@ def _generate(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             threads=args.threads,
             dtype=args.dtype,
+            quantization=args.quantization,
             device=args.device,
             attention_backend=args.attention_backend,
         ),

@@ -108,7 +108,14 @@ class ServeConfig(BaseModel):
         "prefilled on the decode replica itself; 0 disables",
     )
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = bfloat16 on GPUs and CPUs with native bf16, else float32"
+    )
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto",
+        description="weights: auto keeps a GGUF's Q8_0/Q4_x weights quantized (CPU kernels); "
+        "none = dtype everywhere; int8/int4 quantize float weights on load (CPU)",
+    )
     device: str = Field("cpu", description="cpu or cuda")
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="kernels: auto = triton on CUDA, torch (the reference) elsewhere"
@@ -226,6 +233,7 @@ class ServeConfig(BaseModel):
             role=role,
             dtype=self.dtype,
             device=self.device,
+            quantization=self.quantization,
             attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -121,7 +121,9 @@ def make_engine(tiny_model_dir: Callable[[str], Path]) -> Iterator[Callable[...,
 
 @pytest.fixture(scope="session")
 def smollm_engine() -> Engine:
-    return Engine.from_path(None, EngineConfig(num_kv_blocks=256))
+    # NOTE: fp32 over the dequantized GGUF: the token-for-token reference check against
+    # transformers (the served default keeps the GGUF quantized; tests/engine/test_quant.py)
+    return Engine.from_path(None, EngineConfig(num_kv_blocks=256, quantization="none"))
 
 
 @pytest.fixture(scope="session")

@@ -152,6 +152,7 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
 
 
 Role = Literal["both", "prefill", "decode"]
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,11 +168,15 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     role: Role = "both"
-    dtype: str = "float32"
+    dtype: str = "auto"  # see services.engine.precision: bf16 where native, else fp32
     device: str = "cpu"
     threads: int = 1
     # "auto": triton on CUDA, torch elsewhere (see services.engine.backend)
     attention_backend: str = "auto"
+    # weights: "auto" keeps a GGUF's Q8_0/Q4_x weights quantized where pdserve's CPU kernels
+    # build (float checkpoints stay float; CUDA dequantizes); "none" computes everything in
+    # dtype; "int8" / "int4" quantize float weights on load (CPU, groups of 32)
+    quantization: str = "auto"
     # CUDA only: capture pure decode steps as CUDA graphs (needs a graph-safe backend)
     cuda_graphs: bool = True
     # CUDA only: size the KV pool from device memory (this fraction of the device for weights,
@@ -196,6 +201,11 @@ class EngineConfig:
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(
                 f"EngineConfig.role must be both, prefill or decode, got {self.role!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"EngineConfig.quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                f"got {self.quantization!r}"
             )
         if self.gpu_memory_utilization is not None and not (0 < self.gpu_memory_utilization <= 1):
             raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1]")

@@ -36,6 +36,12 @@ from services.engine.loader import LoadedModel, load_model
 from services.engine.memory import activation_bytes, blocks_for_memory
 from services.engine.model import LayerHook, LlamaModel
 from services.engine.model_runner import ModelRunner
+from services.engine.precision import (
+    DTYPES,
+    prepare_weights,
+    resolve_dtype,
+    resolve_quantization,
+)
 from services.engine.request import FinishReason, Request, RequestOutput, Status
 from services.engine.sampler import sample
 from services.engine.sampling_params import SamplingParams, check_prompt
@@ -43,8 +49,6 @@ from services.engine.scheduler import ScheduledSpan, Scheduler
 from services.engine.step_state import StepState
 from services.engine.stop import StopChecker
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def can_prepack(device: str, dtype: torch.dtype) -> bool:
@@ -82,8 +86,8 @@ class Engine:
     def __init__(
         self, loaded: LoadedModel, tokenizer: Tokenizer | None, config: EngineConfig
     ) -> None:
-        if config.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {config.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        self.dtype_name = resolve_dtype(config.dtype, config.device)
+        self.quantization = resolve_quantization(config.quantization, config.device)
         torch.set_num_threads(config.threads)
         self.config = config
         self.model_config = loaded.config
@@ -93,10 +97,10 @@ class Engine:
             config.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
-        dtype = DTYPES[config.dtype]
+        dtype = DTYPES[self.dtype_name]
         self.model = LlamaModel.from_state_dict(
             loaded.config,
-            loaded.state_dict,
+            prepare_weights(loaded.state_dict, self.quantization),
             max_positions=self.max_model_len,
             dtype=dtype,
             device=config.device,
@@ -147,7 +151,7 @@ class Engine:
             mc.num_kv_heads,
             mc.head_dim,
             config.block_size,
-            config.dtype,
+            self.dtype_name,
         )
         eos = set(mc.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -166,13 +170,15 @@ class Engine:
         cls, path: str | Path | None = None, config: EngineConfig | None = None
     ) -> Engine:
         """Load a GGUF file or HF folder (None: the embedded default) and build an engine."""
-        loaded = load_model(path)
+        config = config or EngineConfig()
+        keep = resolve_quantization(config.quantization, config.device) != "none"
+        loaded = load_model(path, keep_quantized=keep)
         tok = (
             Tokenizer.from_folder(loaded.folder)
             if (loaded.folder / "tokenizer.json").is_file()
             else None
         )
-        return cls(loaded, tok, config or EngineConfig())
+        return cls(loaded, tok, config)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(

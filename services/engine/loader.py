@@ -81,9 +81,20 @@ def read_model_config(folder: Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(cfg_dict)
 
 
-def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:
-    """Load config and fp32 weights from a GGUF file or an HF folder (None: the default)."""
+def load_model(
+    path: str | os.PathLike[str] | None = None, *, keep_quantized: bool = False
+) -> LoadedModel:
+    """Load config and weights from a GGUF file or an HF folder (None: the default).
+
+    Args:
+        keep_quantized: a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K tensors come as ``QuantWeight``
+            straight from the file (no fp32 copy); other types are dequantized. Without it,
+            every weight is fp32 (read from the dequantized cache).
+    """
     folder, model_id = resolve_model(path)
+    p = Path(path) if path is not None else default_model_path()
+    if keep_quantized and p.suffix == ".gguf":
+        return LoadedModel(read_model_config(folder), _gguf_weights(p), folder, model_id)
     return _load_hf_folder(folder, model_id=model_id)
 
 
@@ -196,19 +207,31 @@ def gguf_model_config(meta: dict[str, object], embed_rows: int = 0) -> ModelConf
     return ModelConfig.from_hf_dict(cfg)
 
 
-def _convert_gguf(path: Path, folder: Path) -> None:
+def _gguf_tensors(path: Path, quantized: bool):  # -> Iterator[(hf name, tensor | QuantWeight)]
+    """Every weight of a GGUF under its HF name (q/k rows un-interleaved for llama)."""
     import gguf
-    from safetensors.torch import save_file
 
-    from services.engine.tokenizer import tokenizer_files_from_gguf
+    from services.engine.quant import from_gguf
 
     reader, meta = read_gguf_metadata(path)
     embed = [t for t in reader.tensors if t.name == "token_embd.weight"]
     config = gguf_model_config(meta, int(embed[0].shape[1]) if embed else 0)
-    tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
+            continue
+        rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+        heads = None
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+        qw = None
+        if quantized and len(t.shape) == 2:
+            qw = from_gguf(np.asarray(t.data), t.tensor_type.name, rows, int(t.shape[0]))
+        if qw is not None:
+            if heads is not None:
+                perm = _unpermute(np.arange(rows)[:, None], heads)[:, 0]
+                qw = qw.permute_rows(torch.from_numpy(np.ascontiguousarray(perm)))
+            yield name, qw
             continue
         try:
             w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -216,9 +239,24 @@ def _convert_gguf(path: Path, folder: Path) -> None:
             raise ModelLoadError(
                 f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}"
             ) from None
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = _unpermute(w, config.num_heads if "q_proj" in name else config.num_kv_heads)
-        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+        if heads is not None:
+            w = _unpermute(w, heads)
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+
+
+def _gguf_weights(path: Path) -> dict:
+    return dict(_gguf_tensors(path, quantized=True))
+
+
+def _convert_gguf(path: Path, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    from services.engine.tokenizer import tokenizer_files_from_gguf
+
+    reader, meta = read_gguf_metadata(path)
+    embed = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    config = gguf_model_config(meta, int(embed[0].shape[1]) if embed else 0)
+    tensors: dict[str, torch.Tensor] = dict(_gguf_tensors(path, quantized=False))
     if "lm_head.weight" not in tensors:
         config = _with_tied(config)
     folder.parent.mkdir(parents=True, exist_ok=True)

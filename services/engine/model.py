@@ -18,6 +18,8 @@ from services.engine.config import ModelConfig
 from services.engine.errors import ModelLoadError
 from services.engine.kv_cache import KVCache
 from services.engine.layer_ops import rms_norm as rms_norm  # re-exported (tests, kernels)
+from services.engine.linear import LinearLayer, Weight, fuse, make_linear
+from services.engine.quant import QuantWeight
 from services.engine.rope import Rotary
 
 # (layer, keys, values) of the step's tokens, called once the layer's KV is in the cache
@@ -27,36 +29,24 @@ LayerHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: Linear  # q | k | v fused: out = (heads + 2 * kv_heads) * head_dim
-    o: Linear
+    qkv: LinearLayer  # q | k | v fused: out = (heads + 2 * kv_heads) * head_dim
+    o: LinearLayer
     mlp_norm: torch.Tensor
-    gate_up: Linear  # gate | up fused: out = 2 * intermediate
-    down: Linear
+    gate_up: LinearLayer  # gate | up fused: out = 2 * intermediate
+    down: LinearLayer
 
 
-# NOTE: below this many rows a plain product over [in, out] weights is fastest (it runs as a
-# matrix-vector product); from here on oneDNN's pre-packed weights win, because an unpacked GEMM
-# re-packs the whole weight matrix on every call (measured: 2x at 8 rows, 1.4x at 32).
-PACKED_MIN_ROWS = 4
+class Embedding:
+    """Token embeddings, dense or quantized (rows are dequantized as they are gathered)."""
 
+    def __init__(self, w: Weight, dtype: torch.dtype) -> None:
+        self.w = w
+        self.dtype = dtype
 
-class Linear:
-    """``y = x @ W.T + b`` with the weight laid out for the fastest path at each batch size."""
-
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, prepack: bool) -> None:
-        # w: [out, in] as in HF checkpoints
-        self.w_t = w.t().contiguous()  # [in, out]
-        self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None) if prepack else None
-
-    @property
-    def numel(self) -> int:
-        return self.w_t.numel() + (self.bias.numel() if self.bias is not None else 0)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return torch.addmm(self.bias, x, self.w_t) if self.bias is not None else x @ self.w_t
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.w, QuantWeight):
+            return self.w.dequantize(ids).to(self.dtype)
+        return self.w[ids]
 
 
 class LlamaModel:
@@ -65,10 +55,10 @@ class LlamaModel:
     def __init__(
         self,
         cfg: ModelConfig,
-        embed: torch.Tensor,
+        embed: Embedding,
         layers: list[LayerWeights],
         norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: LinearLayer,
         max_positions: int,
         dtype: torch.dtype,
         device: str,
@@ -85,26 +75,28 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the embedding gather reads only a few rows)."""
-        n = self.norm.numel() + self.lm_head.numel
+        esize = self.norm.element_size()
+        n = self.norm.numel() * esize + self.lm_head.nbytes
         for lw in self.layers:
-            n += lw.attn_norm.numel() + lw.mlp_norm.numel()
-            n += sum(lin.numel for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
-        return n * self.norm.element_size()
+            n += (lw.attn_norm.numel() + lw.mlp_norm.numel()) * esize
+            n += sum(lin.nbytes for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
+        return n
 
     @classmethod
     def from_state_dict(
         cls,
         cfg: ModelConfig,
-        sd: dict[str, torch.Tensor],
+        sd: dict[str, Weight],
         *,
         max_positions: int,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         prepack: bool = False,
     ) -> LlamaModel:
-        """Build from HF-named tensors; raises ModelLoadError naming a missing or misshapen one."""
+        """Build from HF-named weights, dense tensors or ``QuantWeight`` (linears and the
+        embedding); raises ModelLoadError naming a missing or misshapen one."""
 
-        def get(name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        def weight(name: str, shape: tuple[int, ...] | None = None) -> Weight:
             t = sd.get(name)
             if t is None:
                 raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
@@ -112,12 +104,19 @@ class LlamaModel:
                 raise ModelLoadError(
                     f"weight {name!r} has shape {tuple(t.shape)}, expected {shape}"
                 )
-            return t.to(dtype=dtype, device=device)
+            return t if isinstance(t, QuantWeight) else t.to(dtype=dtype, device=device)
+
+        def get(name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+            t = weight(name, shape)
+            return t.dequantize().to(dtype) if isinstance(t, QuantWeight) else t
 
         def opt(name: str) -> torch.Tensor | None:
             return get(name) if name in sd else None
 
-        h, hd = cfg.hidden_size, cfg.head_dim
+        def linear(names: list[str], shapes: list[tuple[int, int]], bias) -> LinearLayer:
+            return make_linear(fuse([weight(n, s) for n, s in zip(names, shapes)]), bias, prepack)
+
+        h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
         layers = []
         for i in range(cfg.num_layers):
@@ -128,50 +127,41 @@ class LlamaModel:
             gu_b = None
             if cfg.mlp_bias:
                 gu_b = torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
+            attn = p + "self_attn."
             layers.append(
                 LayerWeights(
                     attn_norm=get(p + "input_layernorm.weight", (h,)),
-                    qkv=Linear(
-                        torch.cat(
-                            [
-                                get(p + "self_attn.q_proj.weight", (q_out, h)),
-                                get(p + "self_attn.k_proj.weight", (kv_out, h)),
-                                get(p + "self_attn.v_proj.weight", (kv_out, h)),
-                            ]
-                        ),
+                    qkv=linear(
+                        [attn + f"{n}_proj.weight" for n in "qkv"],
+                        [(q_out, h), (kv_out, h), (kv_out, h)],
                         qkv_b,
-                        prepack,
                     ),
-                    o=Linear(
-                        get(p + "self_attn.o_proj.weight", (h, q_out)),
-                        opt(p + "self_attn.o_proj.bias") if cfg.o_bias else None,
-                        prepack,
+                    o=linear(
+                        [attn + "o_proj.weight"],
+                        [(h, q_out)],
+                        opt(attn + "o_proj.bias") if cfg.o_bias else None,
                     ),
                     mlp_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                    gate_up=Linear(
-                        torch.cat(
-                            [
-                                get(p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
-                                get(p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
-                            ]
-                        ),
+                    gate_up=linear(
+                        [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                        [(inter, h), (inter, h)],
                         gu_b,
-                        prepack,
                     ),
-                    down=Linear(
-                        get(p + "mlp.down_proj.weight", (h, cfg.intermediate_size)),
+                    down=linear(
+                        [p + "mlp.down_proj.weight"],
+                        [(h, inter)],
                         opt(p + "mlp.down_proj.bias") if cfg.mlp_bias else None,
-                        prepack,
                     ),
                 )
             )
-        embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
+        embed = weight("model.embed_tokens.weight", (cfg.vocab_size, h))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
-        head_w = embed if tied else get("lm_head.weight", (cfg.vocab_size, h))
-        lm_head = Linear(head_w, None, prepack)  # NOTE: its own layout even when tied (speed)
+        head_w = embed if tied else weight("lm_head.weight", (cfg.vocab_size, h))
+        # NOTE: its own layout even when tied and dense (speed); a quantized one is shared
+        lm_head = make_linear(head_w, None, prepack)
         return cls(
             cfg,
-            embed,
+            Embedding(embed, dtype),
             layers,
             get("model.norm.weight", (h,)),
             lm_head,

@@ -104,6 +104,7 @@ model: {{ . | quote }}
 conditional_threshold: {{ $s.conditionalThreshold }}
 block_size: {{ $s.blockSize }}
 dtype: {{ $s.dtype }}
+quantization: {{ $s.quantization }}
 device: {{ if $gpu }}cuda{{ else }}cpu{{ end }}
 attention_backend: {{ $s.attentionBackend }}
 cuda_graphs: {{ $s.cudaGraphs }}

@@ -1,0 +1,102 @@
+"""Builds ``kernels.c`` on first use and binds it with ctypes.
+
+The library is compiled for the machine it runs on (``-O3 -march=native``: AVX2 + FMA paths
+where the CPU has them, portable C elsewhere) into ``$PDSERVE_CACHE_DIR/kernels/``, keyed by
+the source, the compiler and the CPU, and renamed into place so concurrent replicas never load
+half a file. No compiler (or a failed build) is not fatal: ``load()`` returns None with the
+reason in ``load_error()``, and callers fall back to torch's kernels or refuse by name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from services import env
+
+ABI = 2
+_SOURCE = Path(__file__).with_name("kernels.c")
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES: dict[str, list[type]] = {
+    "pdserve_kernels_abi": [],
+    "pdserve_kernels_simd": [],
+    "pdserve_q4_gemm": [_P, _I, _I, _P, _P, _P, _I, _P],
+    "pdserve_q8_gemm": [_P, _I, _I, _P, _P, _I, _P],
+}
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+def _build(cc: str) -> Path:
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + cc.encode() + _cpu_key().encode()).hexdigest()[:16]
+    out = Path(env.CACHE_DIR.get()) / "kernels" / f"pdserve_kernels-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", str(_SOURCE), "-o", tmp, "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed: {res.stderr.strip()[-800:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernels library, built if needed; None if this machine cannot build it."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib = None
+        try:
+            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            if cc is None:
+                raise OSError("no C compiler on PATH (install gcc)")
+            lib = ctypes.CDLL(str(_build(cc)))
+            for name, args in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes = args
+                fn.restype = _I if name in ("pdserve_kernels_abi", "pdserve_kernels_simd") else None
+            if lib.pdserve_kernels_abi() != ABI:
+                raise OSError("stale kernels library (ABI mismatch)")
+        except (OSError, subprocess.SubprocessError) as e:
+            _state["error"] = f"pdserve CPU kernels unavailable: {e}"
+            lib = None
+        _state["lib"] = lib
+        return lib
+
+
+def load_error() -> str | None:
+    load()
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def simd_level() -> str:
+    """``avx2`` when the AVX2 + FMA paths were compiled in, ``portable`` otherwise."""
+    lib = load()
+    return "none" if lib is None else {2: "avx2"}.get(lib.pdserve_kernels_simd(), "portable")

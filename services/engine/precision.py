@@ -1,0 +1,78 @@
+"""What ``dtype: auto`` and ``quantization: auto`` mean on this machine, and the weights that
+follow from them.
+
+- dtype ``auto``: bfloat16 on CUDA; on CPU bfloat16 where the CPU computes it natively
+  (AVX512-BF16 or AMX, which oneDNN's bf16 kernels need to beat fp32), float32 elsewhere
+  (measured on AVX2: bf16 GEMMs 1.5-2x slower than fp32, BENCHMARKS.md).
+- quantization ``auto``: a GGUF's Q8_0 / Q4_x weights stay quantized on CPU when pdserve's
+  kernels build here (they read 4-8x fewer bytes per decode step); float checkpoints stay float;
+  on CUDA everything is dequantized (the kernels are CPU kernels).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.engine.cpu_kernels import library
+from services.engine.linear import Weight
+from services.engine.quant import QuantWeight
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# the HF names of weights that may be quantized (linears and the embedding / lm_head)
+_QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    return native and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """``auto`` -> the fastest dtype whose results hold here; other names pass through."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose one of: auto, {', '.join(DTYPES)}")
+        return name
+    if torch.device(device).type == "cuda":
+        return "bfloat16"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def resolve_quantization(name: str, device: str) -> str:
+    """``auto`` -> ``keep`` (GGUF weights as they are) or ``none``; int8/int4 checked."""
+    on_cuda = torch.device(device).type == "cuda"
+    if name in ("int8", "int4"):
+        if on_cuda:
+            raise ValueError(
+                f"quantization {name!r} runs on pdserve's CPU kernels; on CUDA use a bf16 model"
+            )
+        if library.load() is None:
+            raise ValueError(f"quantization {name!r} needs {library.load_error()}")
+        return name
+    if name == "auto":
+        return "none" if on_cuda or library.load() is None else "keep"
+    return name
+
+
+def prepare_weights(sd: dict[str, Weight], quantization: str) -> dict[str, Weight]:
+    """The state dict in the resolved quantization (``keep``, ``none``, ``int8``, ``int4``)."""
+    if quantization == "keep":
+        return sd
+    out: dict[str, Weight] = {}
+    kind = {"int8": "q8", "int4": "q4"}.get(quantization)
+    for name, w in sd.items():
+        if kind is not None and name.endswith(_QUANTIZABLE) and w.shape[-1] % 32 == 0:
+            if isinstance(w, QuantWeight) and w.kind == kind:
+                out[name] = w
+            else:
+                dense = w.dequantize() if isinstance(w, QuantWeight) else w
+                out[name] = QuantWeight.from_float(dense, kind)  # type: ignore[arg-type]
+        else:
+            out[name] = w.dequantize() if isinstance(w, QuantWeight) else w
+    return out
