@@ -13,6 +13,12 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "deploy/setup.sh: redis-server not found; the Redis tests need it (apt-get install redis-server)" >&2
   fi
 fi
+# A C compiler builds pdserve's CPU kernels (quantized weights) on first use, for this CPU.
+if ! command -v cc >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q gcc libc6-dev >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null && apt-get install -y -q gcc libc6-dev >/dev/null; }
+fi
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py="${PYTHON:-python3}"
