@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from services.affinity import parse_cpus
 from services.autoscale.planner import PoolTarget
 from services.engine.config import EngineConfig
 
@@ -78,6 +79,11 @@ class PoolConfig(BaseModel):
     resource: str = Field(description="Ray custom resource that marks this pool's nodes")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (0 on CPU)")
     threads: int = Field(1, ge=1, le=256, description="torch threads per replica")
+    cpus: str | None = Field(
+        None,
+        description="CPU list this pool's replicas are pinned to (e.g. '0-3,8'); None = no "
+        "pinning, except that a local one-host cluster splits its cores between the pools",
+    )
     num_kv_blocks: int = Field(1024, ge=16, description="KV blocks per replica")
     max_num_seqs: int = Field(64, ge=1, description="running requests per replica")
     max_num_batched_tokens: int = Field(1024, ge=16, description="per-step token budget")
@@ -90,6 +96,12 @@ class PoolConfig(BaseModel):
     autoscaling: PoolAutoscaling | None = Field(
         None, description="SLO autoscaling of this pool; None = a fixed ``replicas`` count"
     )
+
+    @model_validator(mode="after")
+    def _cpus(self) -> PoolConfig:
+        if self.cpus is not None:
+            parse_cpus(self.cpus)  # raises ValueError naming the bad part
+        return self
 
 
 class ServeConfig(BaseModel):

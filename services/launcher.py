@@ -3,11 +3,30 @@ stop cleanly on Ctrl-C / SIGTERM (only what this process started is stopped)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 
+from services.affinity import format_cpus, split_cores
 from services.config import ServeConfig
+
+
+def with_local_core_split(cfg: ServeConfig) -> ServeConfig:
+    """A one-host cluster with both pools and no pinning given: split this host's cores
+    between them (services.affinity), so prefill chunks never stall the decode pool."""
+    if cfg.mode == "colocated" or cfg.prefill.cpus is not None or cfg.decode.cpus is not None:
+        return cfg
+    p, d = cfg.prefill, cfg.decode
+    pre, dec = split_cores(
+        sorted(os.sched_getaffinity(0)), p.threads * p.replicas, d.threads * d.replicas
+    )
+    return cfg.model_copy(
+        update={
+            "prefill": p.model_copy(update={"cpus": format_cpus(pre)}),
+            "decode": d.model_copy(update={"cpus": format_cpus(dec)}),
+        }
+    )
 
 
 def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
@@ -17,6 +36,8 @@ def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int
     from services.app import build_app
 
     started_ray = False
+    if not cfg.ray_address:
+        cfg = with_local_core_split(cfg)
     if cfg.ray_address:
         ray.init(address=cfg.ray_address)
     else:
@@ -38,7 +59,13 @@ def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int
         print(
             f"pdserve is serving {cfg.model or 'SmolLM2-135M-Instruct'} ({cfg.mode}; "
             f"{cfg.prefill.replicas if cfg.mode != 'colocated' else 0} prefill, "
-            f"{cfg.decode.replicas} decode replicas)\n"
+            f"{cfg.decode.replicas} decode replicas"
+            + (
+                f"; cores: prefill {cfg.prefill.cpus}, decode {cfg.decode.cpus}"
+                if cfg.decode.cpus
+                else ""
+            )
+            + ")\n"
             f"  OpenAI API: {base}/v1  (completions, chat/completions, models)\n"
             f"  health:     {base}/health\n  metrics:    {base}/metrics\n"
             + (

@@ -8,10 +8,13 @@ without asking anyone; Serve never reuses a replica id, so a restarted replica s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from services.affinity import parse_cpus, pin_current_process
 from services.config import PoolConfig, ServeConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine, EngineStats
@@ -29,6 +32,7 @@ class ReplicaInfo:
     index_id: str  # this replica's id in the prefix index
     stats: EngineStats
     resources: dict[str, float]  # what Ray assigned to this worker (its pool placement)
+    cpus: tuple[int, ...] = ()  # the cores this process may run on (its pool's, when pinned)
 
 
 def assigned_resources() -> dict[str, float]:
@@ -90,7 +94,11 @@ class EngineReplica:
             else ReplicaMetrics(30.0)
         )
         HOST_BUFFERS.configure(cfg.kv_host_buffer_mb << 20)
-        engine = Engine.from_path(cfg.model, cfg.engine_config(pool, role))
+        engine_cfg = cfg.engine_config(pool, role)
+        if pool.cpus is not None:
+            threads = pin_current_process(parse_cpus(pool.cpus), pool.threads)
+            engine_cfg = dataclasses.replace(engine_cfg, threads=threads)
+        engine = Engine.from_path(cfg.model, engine_cfg)
         self.engine = AsyncEngine(engine, stall_timeout_s=cfg.request_timeout_s)
         rid = serve_replica_id()
         self.index_id = index_id(rid) if rid is not None else unique_replica_id(role)
@@ -111,7 +119,13 @@ class EngineReplica:
 
     def replica_stats(self) -> ReplicaInfo:
         """Identity, index id, engine stats and Ray-assigned resources of this replica."""
-        return ReplicaInfo(replica_identity(), self.index_id, self.stats(), assigned_resources())
+        return ReplicaInfo(
+            replica_identity(),
+            self.index_id,
+            self.stats(),
+            assigned_resources(),
+            tuple(sorted(os.sched_getaffinity(0))),
+        )
 
     def record_routing_stats(self) -> dict[str, int]:
         """Polled by Ray Serve for the request router (``services.router``); never waits for
