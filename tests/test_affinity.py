@@ -20,7 +20,7 @@ def test_cpu_lists_parse_and_refuse_by_name():
         parse_cpus("0,x")
     with pytest.raises(ValueError, match="increasing"):
         parse_cpus("3-1")
-    with pytest.raises(ValueError, match="cpus|CPU list"):
+    with pytest.raises(ValueError, match=r"cpus|CPU list"):
         load_config(None, {"decode": {"cpus": "1-0"}}, environ={})
 
 

@@ -185,6 +185,11 @@ class EngineConfig:
     # CPU: also keep oneDNN-packed weights for batched steps (about 2x the weight memory,
     # up to 2x faster batched decode and prefill); off keeps one copy
     prepack_weights: bool = True
+    # prompt-lookup speculative decoding: up to this many draft tokens per decode step, taken
+    # from the request's own earlier tokens (services.engine.ngram); 0 = off. Lossless.
+    speculative_tokens: int = 0
+    prompt_lookup_max: int = 3  # longest tail n-gram looked up
+    prompt_lookup_min: int = 1
     # a prefill-only request's blocks wait this long for export/release, then are freed
     kv_hold_timeout_s: float = 30.0
 
@@ -201,6 +206,11 @@ class EngineConfig:
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(
                 f"EngineConfig.role must be both, prefill or decode, got {self.role!r}"
+            )
+        if self.speculative_tokens < 0 or not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "EngineConfig: speculative_tokens must be >= 0 and "
+                "1 <= prompt_lookup_min <= prompt_lookup_max"
             )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(

@@ -78,6 +78,8 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_hold_expiries: int = 0  # held KV freed because no decode replica claimed it in time
+    num_draft_tokens: int = 0  # speculative draft tokens verified
+    num_accepted_tokens: int = 0  # of which accepted (acceptance rate = accepted / draft)
 
 
 class Engine:
@@ -164,6 +166,8 @@ class Engine:
         self._num_preemptions = 0
         self._num_steps = 0
         self._num_hold_expiries = 0  # held KV freed by its lease, never claimed
+        self._draft_tokens = 0  # speculative draft tokens verified
+        self._accepted_tokens = 0  # of which accepted
 
     @classmethod
     def from_path(
@@ -338,26 +342,54 @@ class Engine:
                 )
         logits = self.runner.run(sched.spans, self._stream_hook(sched.spans))
         sampling = [s for s in sched.spans if s.samples]
+        # one row per sampled position; a speculative span samples each draft position too,
+        # with the seed of the output index it would have without speculation (lossless)
+        rows = [(s, j) for s in sampling for j in range(s.num_sampled)]
         tokens, logprobs = sample(
             logits,
-            [s.request.params for s in sampling],
-            [s.request.seed for s in sampling],
-            [s.request.num_tokens - s.request.num_prompt for s in sampling],
+            [s.request.params for s, _ in rows],
+            [s.request.seed for s, _ in rows],
+            [s.request.num_tokens - s.request.num_prompt + j for s, j in rows],
         )
+        emitted = self._verify(sampling, tokens)
         bs = self.config.block_size
         for s in sched.spans:
-            s.request.num_computed = s.start + s.num_new
+            # KV is valid through the real tokens and the accepted draft tokens
+            accepted = len(emitted[id(s)]) - 1 if s.samples else 0
+            s.request.num_computed = s.start + s.num_new - len(s.draft) + accepted
             s.request.stream_next = s.request.num_computed
             self.blocks.cache_blocks(
                 s.request.request_id, s.request.block_hashes[: s.request.num_computed // bs]
             )
         now = time.perf_counter()
-        for row, s in enumerate(sampling):
-            self._append_token(
-                s.request, tokens[row], None if logprobs is None else logprobs[row], now
-            )
+        row = 0
+        for s in sampling:
+            for j, token in enumerate(emitted[id(s)]):
+                lp = None if logprobs is None else logprobs[row + j]
+                self._append_token(s.request, token, lp, now)
+                if s.request.finished:
+                    break
+            row += s.num_sampled
             outputs.append(self._output(s.request))
         return outputs
+
+    def _verify(self, sampling: list[ScheduledSpan], tokens: list[int]) -> dict[int, list[int]]:
+        """The tokens each sampling span emits: its first sampled token, then for each draft
+        token equal to the token sampled before it, the token sampled at its position. Each is
+        exactly the token decoding one by one would sample there."""
+        out: dict[int, list[int]] = {}
+        row = 0
+        for s in sampling:
+            emit = [tokens[row]]
+            for j, d in enumerate(s.draft):
+                if tokens[row + j] != d:
+                    break
+                emit.append(tokens[row + j + 1])
+            self._draft_tokens += len(s.draft)
+            self._accepted_tokens += len(emit) - 1
+            out[id(s)] = emit
+            row += s.num_sampled
+        return out
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -393,6 +425,8 @@ class Engine:
             num_preemptions=self._num_preemptions,
             num_steps=self._num_steps,
             num_hold_expiries=self._num_hold_expiries,
+            num_draft_tokens=self._draft_tokens,
+            num_accepted_tokens=self._accepted_tokens,
         )
 
     def check_integrity(self) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.ngram import propose
 from services.engine.request import Request, Status
 
 
@@ -24,12 +25,24 @@ from services.engine.request import Request, Status
 class ScheduledSpan:
     request: Request
     start: int  # first position computed this step
-    num_new: int
+    num_new: int  # positions computed, the draft's included
+    # speculative draft tokens after the request's last token; their positions are computed
+    # and every one of the span's rows is sampled to verify them
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """True when this span reaches the end of the request's tokens (a new token is due)."""
-        return self.start + self.num_new == self.request.num_tokens
+        return self.start + self.num_new == self.request.num_tokens + len(self.draft)
+
+    @property
+    def num_sampled(self) -> int:
+        return (1 + len(self.draft)) if self.samples else 0
+
+    def token_ids(self) -> list[int]:
+        """The ids of the positions computed: the request's tokens, then the draft."""
+        end = self.start + self.num_new - len(self.draft)
+        return [*self.request.token_ids[self.start : end], *self.draft]
 
 
 @dataclass(slots=True)
@@ -67,13 +80,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
+            draft = self._draft(req, budget) if n == 1 else ()
+            n += len(draft)
             while self.blocks.allocate(req.request_id, req.num_computed + n) is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.spans.append(ScheduledSpan(req, req.num_computed, n))
+                out.spans.append(ScheduledSpan(req, req.num_computed, n, draft))
                 budget -= n
                 i += 1
         if out.preempted:
@@ -89,6 +104,19 @@ class Scheduler:
             out.spans.append(span)
             budget -= span.num_new
         return out
+
+    def _draft(self, req: Request, budget: int) -> tuple[int, ...]:
+        """Prompt-lookup draft for a decoding request (never past its max_tokens or the
+        step's budget); () when speculation is off or finds nothing."""
+        cfg = self.config
+        room = min(
+            cfg.speculative_tokens,
+            budget - 1,
+            req.params.max_tokens - (req.num_tokens - req.num_prompt) - 1,
+        )
+        if room <= 0 or req.prefill_only or req.kv_sink is not None:
+            return ()
+        return tuple(propose(req.token_ids, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min))
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> ScheduledSpan | None:
         bs = self.blocks.block_size

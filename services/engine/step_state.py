@@ -147,9 +147,8 @@ class StepState:
             )
             starts.append(s.start)
             q_lens.append(s.num_new)
-            ids.extend(req.token_ids[s.start : s.start + s.num_new])
-            if s.samples:
-                sampled.append(len(ids) - 1)
+            ids.extend(s.token_ids() if s.draft else req.token_ids[s.start : s.start + s.num_new])
+            sampled.extend(range(len(ids) - s.num_sampled, len(ids)))
         self.tables.flush()
         n_seqs, n_tok = len(rows), len(ids)
         packed = torch.tensor(rows + starts + q_lens + ids + sampled, dtype=torch.int64)
