@@ -45,6 +45,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "triton"],
         help="kernels (auto: triton on CUDA, torch elsewhere)",
     )
+    g.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="prompt-lookup draft tokens per step (lossless; copy-heavy prompts); 0 = off",
+    )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=1024, help="KV blocks in the pool")
     g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="per-step token budget")
@@ -153,6 +159,7 @@ def _generate(args: argparse.Namespace) -> int:
             threads=args.threads,
             dtype=args.dtype,
             quantization=args.quantization,
+            speculative_tokens=args.speculative_tokens,
             device=args.device,
             attention_backend=args.attention_backend,
         ),

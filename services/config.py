@@ -129,6 +129,13 @@ class ServeConfig(BaseModel):
         "none = dtype everywhere; int8/int4 quantize float weights on load (CPU)",
     )
     device: str = Field("cpu", description="cpu or cuda")
+    speculative_tokens: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="prompt-lookup speculative decoding: draft tokens per decode step from the "
+        "request's own text (lossless; pays off on copy-heavy work); 0 = off",
+    )
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="kernels: auto = triton on CUDA, torch (the reference) elsewhere"
     )
@@ -246,6 +253,7 @@ class ServeConfig(BaseModel):
             dtype=self.dtype,
             device=self.device,
             quantization=self.quantization,
+            speculative_tokens=self.speculative_tokens,
             attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -106,6 +106,7 @@ block_size: {{ $s.blockSize }}
 dtype: {{ $s.dtype }}
 quantization: {{ $s.quantization }}
 device: {{ if $gpu }}cuda{{ else }}cpu{{ end }}
+speculative_tokens: {{ $s.speculativeTokens }}
 attention_backend: {{ $s.attentionBackend }}
 cuda_graphs: {{ $s.cudaGraphs }}
 gpu_memory_utilization: {{ $s.gpuMemoryUtilization }}
