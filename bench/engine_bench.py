@@ -1,11 +1,18 @@
-"""Engine benchmark on the embedded default model (SmolLM2-135M-Instruct), one thread.
+"""Engine benchmark on the embedded default model (SmolLM2-135M-Instruct), one thread each.
 
-Measures, in one run and on the same fp32 weights:
-  - TTFT for 128/512/2048-token prompts: pdserve engine vs HF transformers (forward + 1 token)
-  - ITL at batch 1/8/32: pdserve vs HF ``generate`` (decode time / decode tokens)
-  - output tokens/s at 32 concurrent requests vs batch 1
-  - the decode floor: weight bytes read per step / measured memory bandwidth (single-thread
-    matrix-vector product over a weight-sized matrix), and measured ITL / floor
+Measures in one run, beside the anchors (every engine on the same weights, one thread):
+  - pdserve's default (``quantization: auto``: the GGUF's Q4_1 linears and Q8_0 embedding
+    computed by pdserve's kernels) and pdserve fp32 (``quantization: none``, the GGUF
+    dequantized), against HF transformers fp32 and bf16 and llama.cpp (llama-cpp-python on the
+    same GGUF file, when installed);
+  - TTFT at 128 / 512 / 2,048-token prompts; the compute floor 2 x params x tokens at the
+    measured single-thread fp32 GEMM rate;
+  - ITL at batch 1 / 8 / 32 (128-token contexts); the bandwidth floor of each precision:
+    bytes of weights one step reads / measured single-thread memory bandwidth;
+  - output tokens/s at 8 and 32 concurrent requests (whole requests, prefill included);
+  - the non-GEMM share of a batch-1 step (time outside the linear layers / step time);
+  - prompt-lookup speculative decoding on a copy-heavy workload (copy a given text): tokens
+    equal to plain decoding, acceptance rate, output tokens/s with and without it.
 Prints ratios, which stay meaningful on a noisy machine where absolute times drift.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/engine_bench.py [--quick] [--json out.json]
@@ -19,6 +26,8 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -26,7 +35,10 @@ import torch
 
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
+from services.engine.loader import default_model_path, gguf_cache_folder
 from services.engine.sampling_params import SamplingParams
+
+TEXT = Path(__file__).with_name("data") / "declaration_of_independence.txt"
 
 
 def prompts_of(n_tokens: int, count: int, vocab: int, seed: int) -> list[list[int]]:
@@ -34,24 +46,31 @@ def prompts_of(n_tokens: int, count: int, vocab: int, seed: int) -> list[list[in
     return [[rng.randrange(100, vocab) for _ in range(n_tokens)] for _ in range(count)]
 
 
-def measure_bandwidth(nbytes: int) -> float:
-    """GB/s of a single-thread fp32 matrix-vector product over ``nbytes`` of matrix."""
-    cols = 2048
-    w = torch.randn(nbytes // 4 // cols, cols)
-    x = torch.randn(1, cols)
-    torch.nn.functional.linear(x, w)
+def best_of(fn: Callable[[], object], repeats: int = 5) -> float:
     best = float("inf")
-    for _ in range(5):
+    for _ in range(repeats):
         t = time.perf_counter()
-        torch.nn.functional.linear(x, w)
+        fn()
         best = min(best, time.perf_counter() - t)
-    return w.numel() * 4 / best / 1e9
+    return best
 
 
+def floors() -> dict[str, float]:
+    """Single-thread memory bandwidth (GB/s, a matrix-vector product over 256 MB: reads the
+    matrix once) and fp32 GEMM rate (GFLOP/s, 512 x 576 x 1536, SmolLM2's MLP shape)."""
+    w = torch.randn(16384, 4096)
+    x = torch.randn(1, 4096)
+    bw = w.numel() * 4 / best_of(lambda: torch.nn.functional.linear(x, w)) / 1e9
+    a, b = torch.randn(512, 576), torch.randn(576, 1536)
+    gflops = 2 * 512 * 576 * 1536 / best_of(lambda: a @ b, 10) / 1e9
+    return {"bandwidth_gbs": bw, "gemm_gflops": gflops}
+
+
+# ---- pdserve ------------------------------------------------------------------------------
 def engine_ttft(eng: Engine, prompt: list[int]) -> float:
     eng.blocks.reset_prefix_cache()
     eng.add_request(
-        f"ttft-{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0)
+        f"t-{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0)
     )
     t = time.perf_counter()
     while eng.has_unfinished:
@@ -60,40 +79,104 @@ def engine_ttft(eng: Engine, prompt: list[int]) -> float:
 
 
 def engine_decode(eng: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """Returns (mean ITL over pure-decode steps, output tokens/s over the whole run)."""
+    """(median pure-decode step, output tokens/s over the whole run, prefill included)."""
     eng.blocks.reset_prefix_cache()
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(f"d{i}-{time.perf_counter_ns()}", p, params)
-    step_times: list[float] = []
+    steps: list[float] = []
     n_out = 0
     start = time.perf_counter()
     while eng.has_unfinished:
+        running = eng.scheduler.running
         decoding = (
-            all(r.num_computed >= r.num_prompt for r in eng.scheduler.running)
-            and not eng.scheduler.waiting
+            all(r.num_computed >= r.num_prompt for r in running) and not eng.scheduler.waiting
         )
         t = time.perf_counter()
         outs = eng.step()
-        dt = time.perf_counter() - t
-        n_out += sum(len(o.new_token_ids) for o in outs)
         if decoding and outs:
-            step_times.append(dt)
-    total = time.perf_counter() - start
-    return statistics.mean(step_times), n_out / total
+            steps.append(time.perf_counter() - t)
+        n_out += sum(len(o.new_token_ids) for o in outs)
+    return statistics.median(steps), n_out / (time.perf_counter() - start)
 
 
-def hf_times(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """Returns (TTFT = generate 1 token, ITL = extra time per decode step)."""
-    ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
+def gemm_share(eng: Engine, prompt: list[int], steps: int = 30) -> float:
+    """Share of a batch-1 decode step spent inside the linear layers (timed by wrapping them)."""
+    spent = [0.0]
+    model = eng.model
+    lins = [(lw, n) for lw in model.layers for n in ("qkv", "o", "gate_up", "down")]
 
-    def run(n: int) -> float:
+    def timed(f):
+        def call(x):
+            t = time.perf_counter()
+            y = f(x)
+            spent[0] += time.perf_counter() - t
+            return y
+
+        return call
+
+    saved = [(lw, n, getattr(lw, n)) for lw, n in lins] + [(model, "lm_head", model.lm_head)]
+    for obj, name, f in saved:
+        setattr(obj, name, timed(f))
+    try:
+        eng.add_request(
+            "share", prompt, SamplingParams(max_tokens=steps + 5, temperature=0, ignore_eos=True)
+        )
+        for _ in range(5):
+            eng.step()
+        spent[0] = 0.0
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        total = time.perf_counter() - t
+        while eng.has_unfinished:
+            eng.step()
+    finally:
+        for obj, name, f in saved:
+            setattr(obj, name, f)
+    return spent[0] / total
+
+
+def copy_workload(path: str | None, k: int) -> dict[str, object]:
+    """Greedy copy of a given text with and without prompt-lookup speculation."""
+    outs, rates = {}, {}
+    text = TEXT.read_text()[:1200]
+    for spec in (0, k):
+        eng = Engine.from_path(path, EngineConfig(num_kv_blocks=512, speculative_tokens=spec))
+        tok = eng.tokenizer
+        chat = [{"role": "user", "content": "Copy this text exactly:\n\n" + text}]
+        ids = tok.encode(tok.apply_chat_template(chat))
+        params = SamplingParams(max_tokens=128, temperature=0)
+        eng.generate([ids], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+        t = time.perf_counter()
+        (out,) = eng.generate([ids], params)
+        rates[spec] = len(out) / (time.perf_counter() - t)
+        outs[spec] = out
+        st = eng.stats()
+    return {
+        "tokens_equal": outs[0] == outs[k],
+        "acceptance": st.num_accepted_tokens / max(1, st.num_draft_tokens),
+        "tokens_per_s_plain": rates[0],
+        "tokens_per_s_speculative": rates[k],
+        "speedup": rates[k] / rates[0],
+    }
+
+
+# ---- anchors ------------------------------------------------------------------------------
+class HFAnchor:
+    def __init__(self, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        folder = gguf_cache_folder(default_model_path())  # the dequantized GGUF: same weights
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+
+    def generate(self, prompts: list[list[int]], n: int) -> float:
+        ids = torch.tensor(prompts)
         t = time.perf_counter()
         with torch.no_grad():
-            model.generate(
+            self.model.generate(
                 ids,
-                attention_mask=mask,
+                attention_mask=torch.ones_like(ids),
                 max_new_tokens=n,
                 min_new_tokens=n,
                 do_sample=False,
@@ -101,102 +184,123 @@ def hf_times(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, f
             )
         return time.perf_counter() - t
 
-    t1 = run(1)
-    tn = run(new_tokens + 1)
-    return t1, (tn - t1) / new_tokens
+    def ttft(self, prompt: list[int]) -> float:
+        return self.generate([prompt], 1)
+
+    def itl(self, prompts: list[list[int]], n: int) -> float:
+        return (self.generate(prompts, n + 1) - self.generate(prompts, 1)) / n
+
+
+class LlamaCppAnchor:
+    """llama-cpp-python on the same GGUF file (Q4_1), one thread."""
+
+    def __init__(self) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=str(default_model_path()),
+            n_ctx=4096,
+            n_threads=1,
+            n_threads_batch=1,
+            n_batch=2048,
+            verbose=False,
+            logits_all=False,
+        )
+
+    def _run(self, prompt: list[int], n: int) -> float:
+        self.llm.reset()
+        t = time.perf_counter()
+        it = self.llm.generate(prompt, temp=0.0, top_k=1, reset=True)
+        for i, _ in enumerate(it):
+            if i + 1 >= n:
+                break
+        return time.perf_counter() - t
+
+    def ttft(self, prompt: list[int]) -> float:
+        return self._run(prompt, 1)
+
+    def itl(self, prompts: list[list[int]], n: int) -> float:
+        return (self._run(prompts[0], n + 1) - self._run(prompts[0], 1)) / n
+
+
+def make_anchors() -> dict[str, object]:
+    anchors: dict[str, object] = {
+        "hf-fp32": HFAnchor(torch.float32),
+        "hf-bf16": HFAnchor(torch.bfloat16),
+    }
+    try:
+        anchors["llama.cpp-q4_1"] = LlamaCppAnchor()
+    except ImportError as e:
+        print(f"llama.cpp anchor skipped: {e} (pip install llama-cpp-python)", flush=True)
+    return anchors
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--quick", action="store_true", help="shorter prompts and fewer tokens (smoke run)"
-    )
+    ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    ttft_lens = [32, 64] if args.quick else [128, 512, 2048]
-    batches = [1, 4] if args.quick else [1, 8, 32]
+    ttft_lens = [64, 128] if args.quick else [128, 512, 2048]
+    batches = [1, 8] if args.quick else [1, 8, 32]
     new_tokens = 8 if args.quick else 32
-    ctx = 128
-
-    eng = Engine.from_path(
-        None, EngineConfig(num_kv_blocks=4096, max_num_batched_tokens=2048, max_num_seqs=64)
+    res: dict[str, object] = {"floors": floors()}
+    fl = res["floors"]
+    print(f"floors: {fl['bandwidth_gbs']:.1f} GB/s, {fl['gemm_gflops']:.1f} GFLOP/s", flush=True)
+    cfg = dict(num_kv_blocks=4096, max_num_batched_tokens=2048, max_num_seqs=64)
+    engines = {
+        "pdserve-default": Engine.from_path(None, EngineConfig(**cfg)),
+        "pdserve-fp32": Engine.from_path(None, EngineConfig(quantization="none", **cfg)),
+    }
+    anchors = make_anchors()
+    vocab = engines["pdserve-fp32"].model_config.vocab_size
+    params = sum(
+        p.numel()
+        for p in anchors["hf-fp32"].model.parameters()  # type: ignore[attr-defined]
     )
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(_cache_folder()), dtype=torch.float32).eval()
-    vocab = eng.model_config.vocab_size
-    results: dict[str, object] = {"model": eng.model_id, "threads": torch.get_num_threads()}
-
-    engine_ttft(eng, prompts_of(16, 1, vocab, 0)[0])  # warm-up
-    rows = []
+    for e in engines.values():
+        engine_ttft(e, prompts_of(16, 1, vocab, 0)[0])  # warm-up
+    rows: dict[str, dict[str, float]] = {}
     for n in ttft_lens:
-        p = prompts_of(n, 1, vocab, n)
-        ours = min(engine_ttft(eng, p[0]) for _ in range(2))
-        ref, _ = hf_times(hf, p, 1)
-        rows.append(
-            {"prompt_tokens": n, "pdserve_s": ours, "hf_s": ref, "hf_over_pdserve": ref / ours}
-        )
+        p = prompts_of(n, 1, vocab, n)[0]
+        row = {name: min(engine_ttft(e, p) for _ in range(2)) for name, e in engines.items()}
+        row.update({name: a.ttft(p) for name, a in anchors.items()})  # type: ignore[attr-defined]
+        row["floor"] = 2 * params * n / (fl["gemm_gflops"] * 1e9)
+        rows[f"ttft_{n}"] = row
         print(
-            f"TTFT {n:5d} tokens: pdserve {ours * 1000:8.1f} ms   HF {ref * 1000:8.1f} ms   HF/pdserve {ref / ours:5.2f}x",
+            f"TTFT {n:5d}: " + "  ".join(f"{k} {v * 1e3:.0f} ms" for k, v in row.items()),
             flush=True,
         )
-    results["ttft"] = rows
-
-    bw = measure_bandwidth(eng.model.weight_bytes)
-    floor = eng.model.weight_bytes / (bw * 1e9)
-    results["bandwidth_gbs"] = bw
-    results["weight_bytes"] = eng.model.weight_bytes
-    results["decode_floor_s"] = floor
-    print(
-        f"decode floor: {eng.model.weight_bytes / 1e6:.0f} MB of weights / {bw:.1f} GB/s = {floor * 1000:.1f} ms",
-        flush=True,
-    )
-
-    rows = []
     for b in batches:
-        ps = prompts_of(ctx, b, vocab, 1000 + b)
-        itl, _ = engine_decode(eng, ps, new_tokens)
-        _, ref_itl = hf_times(hf, ps, new_tokens)
-        rows.append(
-            {
-                "batch": b,
-                "pdserve_itl_s": itl,
-                "hf_itl_s": ref_itl,
-                "hf_over_pdserve": ref_itl / itl,
-                "itl_over_floor": itl / floor,
-            }
-        )
+        ps = prompts_of(128, b, vocab, 1000 + b)
+        row = {name: engine_decode(e, ps, new_tokens)[0] for name, e in engines.items()}
+        for name, a in anchors.items():
+            if b == 1 or not name.startswith("llama.cpp"):  # llama-cpp-python decodes one stream
+                row[name] = a.itl(ps, new_tokens)  # type: ignore[attr-defined]
+        for name, e in engines.items():
+            row[f"floor-{name}"] = e.model.weight_bytes / (fl["bandwidth_gbs"] * 1e9)
+        rows[f"itl_b{b}"] = row
         print(
-            f"ITL batch {b:3d} (context {ctx}): pdserve {itl * 1000:7.1f} ms   HF {ref_itl * 1000:7.1f} ms   "
-            f"HF/pdserve {ref_itl / itl:5.2f}x   pdserve/floor {itl / floor:4.2f}x",
+            f"ITL b{b:3d}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row.items()),
             flush=True,
         )
-    results["itl"] = rows
-
-    # Throughput: output tokens/s over whole requests (prefill included), concurrent vs alone.
-    top = batches[-1]
-    tp_prompt, tp_out = (16, 16) if args.quick else (32, 96)
-    tps = {}
-    for b in (1, top):
-        _, tps[b] = engine_decode(eng, prompts_of(tp_prompt, b, vocab, 2000 + b), tp_out)
-        print(
-            f"throughput {b:3d} concurrent ({tp_prompt}-token prompts, {tp_out} output tokens): {tps[b]:7.1f} tok/s",
-            flush=True,
-        )
-    results["throughput_tokens_per_s"] = tps
-    results["throughput_ratio"] = tps[top] / tps[1]
-    print(f"output tokens/s at {top} concurrent / alone: {tps[top] / tps[1]:.1f}x", flush=True)
-    eng.check_integrity()
+    for c in (8, 32):
+        ps = prompts_of(32, c, vocab, 2000 + c)
+        rows[f"tokens_per_s_c{c}"] = {
+            name: engine_decode(e, ps, 96 if not args.quick else 16)[1]
+            for name, e in engines.items()
+        }
+        print(f"tok/s at {c} concurrent: {rows[f'tokens_per_s_c{c}']}", flush=True)
+    p = prompts_of(128, 1, vocab, 7)[0]
+    rows["gemm_share_b1"] = {name: gemm_share(e, p) for name, e in engines.items()}
+    print(f"GEMM share of a batch-1 step: {rows['gemm_share_b1']}", flush=True)
+    res["rows"] = rows
+    res["speculative_copy"] = copy_workload(None, 4)
+    print(f"prompt-lookup speculation (copy a text, greedy): {res['speculative_copy']}", flush=True)
+    for e in engines.values():
+        e.check_integrity()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-
-
-def _cache_folder():
-    from services.engine.loader import default_model_path, gguf_cache_folder
-
-    return gguf_cache_folder(default_model_path())
+        Path(args.json).write_text(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":
