@@ -1,14 +1,17 @@
 """The registry of compute backends: attention over the paged cache plus the fused layer ops.
 
-``torch`` is the reference and the CPU path. ``triton`` (the default on CUDA) runs paged
-attention, RoPE + KV write, residual + RMSNorm and SwiGLU as Triton kernels; it is imported
-only when chosen, so CPU machines never import Triton. ``auto`` picks by device.
+``torch`` is the reference. ``cpu`` (the default on CPU for fp32 models) runs the layer ops and
+decode attention as pdserve's C kernels. ``triton`` (the default on CUDA) runs paged attention,
+RoPE + KV write, residual + RMSNorm and SwiGLU as Triton kernels; it is imported only when
+chosen, so CPU machines never import Triton. ``auto`` picks by device and dtype.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from services.engine.attention import AttentionBackend, TorchAttention
 from services.engine.layer_ops import LayerOps, TorchOps
@@ -28,25 +31,44 @@ def _load_torch() -> Backend:
     return Backend("torch", TorchAttention(), TorchOps(), graph_safe=False)
 
 
+def _load_cpu() -> Backend:
+    from services.engine.cpu_backend import CpuAttention, CpuOps
+
+    return Backend("cpu", CpuAttention(), CpuOps(), graph_safe=False)
+
+
 def _load_triton() -> Backend:
     from services.engine.triton_backend import TritonAttention, TritonOps
 
     return Backend("triton", TritonAttention(), TritonOps(), graph_safe=True)
 
 
-BACKENDS: dict[str, Callable[[], Backend]] = {"torch": _load_torch, "triton": _load_triton}
+BACKENDS: dict[str, Callable[[], Backend]] = {
+    "torch": _load_torch,
+    "cpu": _load_cpu,
+    "triton": _load_triton,
+}
 
 
-def resolve_backend_name(name: str, device: str) -> str:
-    """``auto`` -> ``triton`` on CUDA, ``torch`` elsewhere; other names pass through."""
+def resolve_backend_name(
+    name: str, device: str, dtype: torch.dtype = torch.float32, head_dim: int = 64
+) -> str:
+    """``auto`` -> ``triton`` on CUDA; on CPU ``cpu`` (pdserve's C kernels) for fp32 models
+    where they build, else ``torch``; other names pass through."""
     if name != "auto":
         return name
-    return "triton" if str(device).startswith("cuda") else "torch"
+    if str(device).startswith("cuda"):
+        return "triton"
+    from services.engine.cpu_backend import supports
+
+    return "cpu" if supports(dtype, head_dim) else "torch"
 
 
-def get_backend(name: str, device: str = "cpu") -> Backend:
+def get_backend(
+    name: str, device: str = "cpu", dtype: torch.dtype = torch.float32, head_dim: int = 64
+) -> Backend:
     """Instantiate a backend by name (or ``auto``); the error lists the valid names."""
-    name = resolve_backend_name(name, device)
+    name = resolve_backend_name(name, device, dtype, head_dim)
     try:
         loader = BACKENDS[name]
     except KeyError:

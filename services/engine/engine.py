@@ -109,7 +109,7 @@ class Engine:
             prepack=config.prepack_weights and can_prepack(config.device, dtype),
         )
         mc = loaded.config
-        self.backend = get_backend(config.attention_backend, config.device)
+        self.backend = get_backend(config.attention_backend, config.device, dtype, mc.head_dim)
         num_blocks = self._num_kv_blocks(config, dtype)
         self.cache = KVCache(
             mc.num_layers,
@@ -341,10 +341,11 @@ class Engine:
                     min(s.start + s.num_new, s.request.num_prompt) - s.start
                 )
         logits = self.runner.run(sched.spans, self._stream_hook(sched.spans))
-        sampling = [s for s in sched.spans if s.samples]
+        # NOTE: counted once, here: a span's `samples` changes as tokens are appended below
+        sampling = [(s, s.num_sampled) for s in sched.spans if s.samples]
         # one row per sampled position; a speculative span samples each draft position too,
         # with the seed of the output index it would have without speculation (lossless)
-        rows = [(s, j) for s in sampling for j in range(s.num_sampled)]
+        rows = [(s, j) for s, n in sampling for j in range(n)]
         tokens, logprobs = sample(
             logits,
             [s.request.params for s, _ in rows],
@@ -355,7 +356,7 @@ class Engine:
         bs = self.config.block_size
         for s in sched.spans:
             # KV is valid through the real tokens and the accepted draft tokens
-            accepted = len(emitted[id(s)]) - 1 if s.samples else 0
+            accepted = len(emitted[id(s)]) - 1 if id(s) in emitted else 0
             s.request.num_computed = s.start + s.num_new - len(s.draft) + accepted
             s.request.stream_next = s.request.num_computed
             self.blocks.cache_blocks(
@@ -363,23 +364,25 @@ class Engine:
             )
         now = time.perf_counter()
         row = 0
-        for s in sampling:
+        for s, n in sampling:
             for j, token in enumerate(emitted[id(s)]):
                 lp = None if logprobs is None else logprobs[row + j]
                 self._append_token(s.request, token, lp, now)
                 if s.request.finished:
                     break
-            row += s.num_sampled
+            row += n
             outputs.append(self._output(s.request))
         return outputs
 
-    def _verify(self, sampling: list[ScheduledSpan], tokens: list[int]) -> dict[int, list[int]]:
+    def _verify(
+        self, sampling: list[tuple[ScheduledSpan, int]], tokens: list[int]
+    ) -> dict[int, list[int]]:
         """The tokens each sampling span emits: its first sampled token, then for each draft
         token equal to the token sampled before it, the token sampled at its position. Each is
         exactly the token decoding one by one would sample there."""
         out: dict[int, list[int]] = {}
         row = 0
-        for s in sampling:
+        for s, n in sampling:
             emit = [tokens[row]]
             for j, d in enumerate(s.draft):
                 if tokens[row + j] != d:
@@ -388,7 +391,7 @@ class Engine:
             self._draft_tokens += len(s.draft)
             self._accepted_tokens += len(emit) - 1
             out[id(s)] = emit
-            row += s.num_sampled
+            row += n
         return out
 
     def generate(

@@ -93,6 +93,6 @@ def test_pure_decode_batch_matches_dense():
 
 
 def test_backend_registry_names_valid_choices():
-    with pytest.raises(ValueError, match="auto, torch, triton"):
+    with pytest.raises(ValueError, match="auto, torch, cpu, triton"):
         get_backend("flash")
-    assert get_backend("auto", "cpu").name == "torch"
+    assert get_backend("auto", "cpu", torch.bfloat16).name == "torch"  # C ops are fp32

@@ -52,11 +52,22 @@ def test_speculation_gives_the_tokens_of_plain_decoding(make_engine, monkeypatch
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (2, 9, 23)]
     plain = make_engine(num_kv_blocks=128)
-    want = plain.generate(prompts, params)
+    want, want_lps = _run(plain, prompts, params)
     eng = make_engine(num_kv_blocks=128, speculative_tokens=3)
     monkeypatch.setattr(
         scheduler_module, "propose", _oracle({tuple(p): w for p, w in zip(prompts, want)}, 3)
     )
+    got, got_lps = _run(eng, prompts, params)
+    assert got == want
+    st = eng.stats()
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # both paths ran
+    assert st.num_steps < plain.stats().num_steps
+    if params.logprobs:  # each token's own log-probability, in order
+        for g, w in zip(got_lps, want_lps):
+            assert g == pytest.approx(w, abs=1e-4)
+
+
+def _run(eng, prompts, params):
     rids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts):
         eng.add_request(rid, p, params)
@@ -66,12 +77,7 @@ def test_speculation_gives_the_tokens_of_plain_decoding(make_engine, monkeypatch
         for o in eng.step():
             toks[o.request_id] += o.new_token_ids
             lps[o.request_id] += o.new_logprobs or []
-    assert [toks[r] for r in rids] == want
-    st = eng.stats()
-    assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # both paths ran
-    assert st.num_steps < plain.stats().num_steps
-    if params.logprobs:
-        assert all(len(lps[r]) == len(toks[r]) for r in rids)
+    return [toks[r] for r in rids], [lps[r] for r in rids]
 
 
 def test_a_stop_inside_accepted_drafts_ends_the_output_there(make_engine, monkeypatch):

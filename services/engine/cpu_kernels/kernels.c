@@ -12,6 +12,7 @@
  * and visibly worse on SmolLM2-135M; see BENCHMARKS.md.) Every function takes row-major,
  * contiguous buffers; K is a multiple of 32; M <= MAX_ROWS.
  */
+#include <math.h>
 #include <stdint.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -20,7 +21,7 @@
 #define QK 32
 #define MAX_ROWS 8 /* rows of x per pass over the weights (callers split larger batches) */
 
-int pdserve_kernels_abi(void) { return 2; }
+int pdserve_kernels_abi(void) { return 3; }
 
 int pdserve_kernels_simd(void) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -136,5 +137,131 @@ void pdserve_q8_gemm(const float *restrict x, int M, int K, const int8_t *restri
         }
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = acc[m];
 #endif
+    }
+}
+
+/* ---- the layer ops around the matmuls (fp32), for the "cpu" backend ---------------------
+ * Same op order as the torch reference (services/engine/layer_ops.py); built with
+ * -ffp-contract=off so a * b + c rounds twice, as torch's separate kernels do. */
+
+/* res_out = x + residual (x when residual is NULL); out = w * (r / sqrt(mean(r^2) + eps)) */
+void pdserve_add_rms_norm(const float *restrict x, const float *restrict residual,
+                          const float *restrict w, int T, int N, float eps,
+                          float *restrict out, float *restrict res_out) {
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (int64_t)t * N;
+        float *rr = res_out + (int64_t)t * N, *o = out + (int64_t)t * N;
+        float acc[8] = {0};
+        int i = 0;
+        for (; i + 8 <= N; i += 8)
+            for (int l = 0; l < 8; l++) {
+                const float r = residual ? xr[i + l] + residual[(int64_t)t * N + i + l] : xr[i + l];
+                rr[i + l] = r;
+                acc[l] += r * r;
+            }
+        float ss = 0.f;
+        for (; i < N; i++) {
+            const float r = residual ? xr[i] + residual[(int64_t)t * N + i] : xr[i];
+            rr[i] = r;
+            ss += r * r;
+        }
+        for (int l = 0; l < 8; l++) ss += acc[l];
+        const float inv = 1.f / sqrtf(ss / (float)N + eps);
+        for (i = 0; i < N; i++) o[i] = w[i] * (rr[i] * inv);
+    }
+}
+
+/* rotate-half RoPE of one head vector in place: cos/sin rows of the token's position */
+static inline void rope_head(float *restrict h, const float *restrict c, const float *restrict s, int D) {
+    const int half = D / 2;
+    float tmp[512];
+    for (int i = 0; i < half; i++) {
+        tmp[i] = h[i] * c[i] + (-h[i + half]) * s[i];
+        tmp[i + half] = h[i + half] * c[i + half] + h[i] * s[i + half];
+    }
+    for (int i = 0; i < D; i++) h[i] = tmp[i];
+}
+
+/* q [T, H, D] (row stride qs), k [T, KVH, D] (row stride ks), v (row stride vs): RoPE on q
+ * and k in place, then k and v into the caches [KVH, slots, D] at slots[t] (< 0: skipped) */
+void pdserve_rope_and_cache(float *restrict q, int64_t qs, float *restrict k, int64_t ks,
+                            const float *restrict v, int64_t vs, int T, int H, int KVH, int D,
+                            const int64_t *restrict positions, const float *restrict cos_t,
+                            const float *restrict sin_t, float *restrict k_cache,
+                            float *restrict v_cache, int64_t num_slots,
+                            const int64_t *restrict slots) {
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
+        for (int h = 0; h < H; h++) rope_head(q + t * qs + (int64_t)h * D, c, s, D);
+        for (int h = 0; h < KVH; h++) {
+            float *kh = k + t * ks + (int64_t)h * D;
+            rope_head(kh, c, s, D);
+            if (slots[t] < 0) continue;
+            float *kc = k_cache + ((int64_t)h * num_slots + slots[t]) * D;
+            float *vc = v_cache + ((int64_t)h * num_slots + slots[t]) * D;
+            const float *vh = v + t * vs + (int64_t)h * D;
+            for (int i = 0; i < D; i++) { kc[i] = kh[i]; vc[i] = vh[i]; }
+        }
+    }
+}
+
+/* out [T, I] = silu(gate) * up of gate_up [T, 2I] (gate first) */
+void pdserve_silu_and_mul(const float *restrict gu, int T, int I, float *restrict out) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (int64_t)t * 2 * I, *u = g + I;
+        float *o = out + (int64_t)t * I;
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+static inline float dot_d(const float *restrict a, const float *restrict b, int D) {
+    float acc[8] = {0};
+    int i = 0;
+    for (; i + 8 <= D; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
+    float s = 0.f;
+    for (; i < D; i++) s += a[i] * b[i];
+    for (int l = 0; l < 8; l++) s += acc[l];
+    return s;
+}
+
+/* One query token per sequence: out [B, H, D] = softmax(q k^T * scale) v over each
+ * sequence's context [0, seq_lens[b]) (and the last `window` positions when window > 0),
+ * read through its block table. scores: scratch of max_ctx floats. */
+void pdserve_decode_attention(const float *restrict q, const float *restrict k_cache,
+                              const float *restrict v_cache, int64_t num_slots,
+                              const int32_t *restrict tables, int table_stride,
+                              const int32_t *restrict seq_lens, int B, int H, int KVH, int D,
+                              int block_size, int window, float scale, float *restrict out,
+                              float *restrict scores) {
+    const int group = H / KVH;
+    for (int b = 0; b < B; b++) {
+        const int L = seq_lens[b];
+        const int lo = window > 0 && L > window ? L - window : 0;
+        const int32_t *tab = tables + (int64_t)b * table_stride;
+        for (int h = 0; h < H; h++) {
+            const int g = h / group;
+            const float *qh = q + ((int64_t)b * H + h) * D;
+            const float *kg = k_cache + (int64_t)g * num_slots * D;
+            const float *vg = v_cache + (int64_t)g * num_slots * D;
+            float mx = -INFINITY;
+            for (int j = lo; j < L; j++) {
+                const int64_t slot = (int64_t)tab[j / block_size] * block_size + j % block_size;
+                const float sc = dot_d(qh, kg + slot * D, D) * scale;
+                scores[j] = sc;
+                if (sc > mx) mx = sc;
+            }
+            float sum = 0.f;
+            for (int j = lo; j < L; j++) { scores[j] = expf(scores[j] - mx); sum += scores[j]; }
+            float *o = out + ((int64_t)b * H + h) * D;
+            for (int i = 0; i < D; i++) o[i] = 0.f;
+            const float inv = 1.f / sum;
+            for (int j = lo; j < L; j++) {
+                const int64_t slot = (int64_t)tab[j / block_size] * block_size + j % block_size;
+                const float p = scores[j] * inv;
+                const float *vr = vg + slot * D;
+                for (int i = 0; i < D; i++) o[i] += p * vr[i];
+            }
+        }
     }
 }

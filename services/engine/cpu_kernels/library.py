@@ -21,14 +21,19 @@ from pathlib import Path
 
 from services import env
 
-ABI = 2
+ABI = 3
 _SOURCE = Path(__file__).with_name("kernels.c")
-_P, _I = ctypes.c_void_p, ctypes.c_int
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
     "pdserve_kernels_abi": [],
     "pdserve_kernels_simd": [],
     "pdserve_q4_gemm": [_P, _I, _I, _P, _P, _P, _I, _P],
     "pdserve_q8_gemm": [_P, _I, _I, _P, _P, _I, _P],
+    "pdserve_add_rms_norm": [_P, _P, _P, _I, _I, _F, _P, _P],
+    "pdserve_rope_and_cache": [_P, _L, _P, _L, _P, _L, _I, _I, _I, _I]
+    + [_P, _P, _P, _P, _P, _L, _P],
+    "pdserve_silu_and_mul": [_P, _I, _I, _P],
+    "pdserve_decode_attention": [_P, _P, _P, _L, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
 }
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -56,7 +61,9 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", str(_SOURCE), "-o", tmp, "-lm"]
+        # NOTE: -ffp-contract=off: a * b + c rounds twice, as in torch's reference ops
+        cmd = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
+        cmd += [str(_SOURCE), "-o", tmp, "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed: {res.stderr.strip()[-800:]}")

@@ -1,0 +1,113 @@
+"""The ``cpu`` backend: the per-layer ops and decode attention as pdserve's C kernels.
+
+A batch-1 decode step of a small model is hundreds of tiny torch ops (about 55 a layer), and
+on CPU each costs a few microseconds of dispatch: for SmolLM2 that was about a third of the
+step. Here each op is one C call (``cpu_kernels/kernels.c``), the same arithmetic in the same
+order as the torch reference (``layer_ops.TorchOps``; -ffp-contract=off), in fp32. Prefill and
+mixed steps keep the torch reference attention (SDPA's kernel is the fast one there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.attention import AttentionMetadata, TorchAttention
+from services.engine.cpu_kernels import library
+from services.engine.kv_cache import KVCache
+from services.engine.rope import Rotary
+
+MAX_HEAD_DIM = 512  # the rope kernel's stack buffer
+
+
+def _lib():
+    lib = library.load()
+    if lib is None:
+        raise RuntimeError(library.load_error())
+    return lib
+
+
+class CpuAttention:
+    def __init__(self) -> None:
+        self.lib = _lib()
+        self.reference = TorchAttention()
+        self._scores = torch.empty(0)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.is_pure_decode:
+            meta.plan = None
+            if self._scores.numel() < meta.max_seq_len:
+                self._scores = torch.empty(max(meta.max_seq_len, 1024))
+        else:
+            self.reference.prepare(meta)
+
+    def forward(
+        self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if not meta.is_pure_decode:
+            return self.reference.forward(q, cache, layer, meta)
+        kc, vc = cache.k[layer], cache.v[layer]  # [kv_heads, blocks, block_size, head_dim]
+        b, heads, dim = q.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        tables = meta.block_tables
+        self.lib.pdserve_decode_attention(
+            q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1] * kc.shape[2],
+            tables.data_ptr(), tables.stride(0), meta.seq_lens.data_ptr(), b, heads,
+            kc.shape[0], dim, meta.block_size, meta.sliding_window or 0, dim**-0.5,
+            out.data_ptr(), self._scores.data_ptr(),
+        )  # fmt: skip
+        return out
+
+
+class CpuOps:
+    def __init__(self) -> None:
+        self.lib = _lib()
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.contiguous()
+        t, n = x.shape
+        out, res = torch.empty_like(x), torch.empty_like(x)
+        r = 0 if residual is None else residual.contiguous().data_ptr()
+        self.lib.pdserve_add_rms_norm(
+            x.data_ptr(), r, weight.data_ptr(), t, n, eps, out.data_ptr(), res.data_ptr()
+        )
+        return out, res
+
+    def rope_tables(
+        self, positions: torch.Tensor, rotary: Rotary
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return positions, rotary.cos, rotary.sin
+
+    def rope_and_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: object,
+        cache: KVCache,
+        layer: int,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        positions, cos, sin = rope  # type: ignore[misc]
+        t, heads, dim = q.shape
+        kc, vc = cache.k[layer], cache.v[layer]
+        self.lib.pdserve_rope_and_cache(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            t, heads, k.shape[1], dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            kc.data_ptr(), vc.data_ptr(), kc.shape[1] * kc.shape[2], slot_mapping.data_ptr(),
+        )  # fmt: skip
+        return q, k  # rotated in place
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        t, two_i = gate_up.shape
+        out = torch.empty((t, two_i // 2), dtype=gate_up.dtype)
+        self.lib.pdserve_silu_and_mul(gate_up.data_ptr(), t, two_i // 2, out.data_ptr())
+        return out
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the cpu backend can run this model here (fp32, kernels built)."""
+    return dtype == torch.float32 and head_dim <= MAX_HEAD_DIM and library.load() is not None

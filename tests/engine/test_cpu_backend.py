@@ -1,0 +1,92 @@
+"""The ``cpu`` backend's C ops against the torch reference ops on random inputs (fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.engine.attention import SeqSpan, TorchAttention, build_metadata
+from services.engine.config import ModelConfig
+from services.engine.cpu_kernels import library
+from services.engine.kv_cache import KVCache
+from services.engine.layer_ops import TorchOps
+from services.engine.rope import Rotary
+
+pytestmark = pytest.mark.skipif(library.load() is None, reason=str(library.load_error()))
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    from services.engine.cpu_backend import CpuAttention, CpuOps
+
+    return CpuAttention(), CpuOps()
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(cpu, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x, r, w = torch.randn(5, 67, generator=g), torch.randn(5, 67, generator=g), torch.randn(67)
+    res = r if with_residual else None
+    got = cpu[1].add_rms_norm(x, res, w, 1e-5)
+    want = TorchOps().add_rms_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # the sum: same rounding
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+
+
+def test_rope_and_cache(cpu):
+    cfg = ModelConfig("llama", 100, 96, 64, 1, 6, 2, 16, 128)
+    rot = Rotary(cfg, 128, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(4, (6 + 4) * 16, generator=g)  # a fused projection: strided views
+    positions = torch.tensor([0, 5, 77, 127])
+    slots = torch.tensor([3, -1, 40, 9])  # -1: padding, not written
+    outs = []
+    for ops in (TorchOps(), cpu[1]):
+        cache = KVCache(1, 8, 8, 2, 16, torch.float32, "cpu")
+        q, k, v = qkv.clone().split((96, 32, 32), dim=-1)
+        q, k, v = q.view(4, 6, 16), k.view(4, 2, 16), v.view(4, 2, 16)
+        keep = slots >= 0  # the torch reference has no padding rule: give it the real rows
+        if isinstance(ops, TorchOps):
+            qo, ko = ops.rope_and_cache(
+                q, k, v, ops.rope_tables(positions, rot), cache, 0, slots.clamp(min=0)
+            )
+            cache.k[0].view(2, -1, 16)[:, 0] = 0  # undo the padding row's write to slot 0
+            cache.v[0].view(2, -1, 16)[:, 0] = 0
+        else:
+            qo, ko = ops.rope_and_cache(q, k, v, ops.rope_tables(positions, rot), cache, 0, slots)
+        outs.append((qo.clone(), ko.clone(), cache.k[0].clone(), cache.v[0].clone()))
+        assert keep.sum() == 3
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_silu_and_mul(cpu):
+    gu = torch.randn(3, 2 * 50, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(
+        cpu[1].silu_and_mul(gu), TorchOps().silu_and_mul(gu), rtol=1e-6, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_attention_matches_reference(cpu, window, block_size):
+    rng = random.Random(block_size)
+    torch.manual_seed(block_size)
+    cache = KVCache(1, 120, block_size, 2, 16, torch.float32, "cpu")
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    free = list(range(120))
+    rng.shuffle(free)
+    spans = []
+    for n in (1, 5, 17, 33):
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        spans.append(SeqSpan(n - 1, 1, table))
+    q = torch.randn(len(spans), 6, 16)
+    outs = []
+    for att in (TorchAttention(), cpu[0]):
+        meta = build_metadata(spans, block_size, "cpu", window)
+        att.prepare(meta)
+        outs.append(att.forward(q, cache, 0, meta))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
