@@ -23,6 +23,9 @@ CACHE_DIR = EnvVar(
     "where dequantized GGUF weights are cached as safetensors",
 )
 GPU = EnvVar("PDSERVE_GPU", "0", "deploy/setup.sh: 1 installs the CUDA build of torch and Triton")
+BENCH = EnvVar(
+    "PDSERVE_BENCH", "0", "deploy/setup.sh: 1 also installs the benchmarks' llama.cpp anchor"
+)
 
 AUTH_TOKEN = EnvVar(
     "PDSERVE_AUTH_TOKEN",
@@ -32,4 +35,4 @@ AUTH_TOKEN = EnvVar(
 )
 TARGET = EnvVar("PDSERVE_TARGET", "127.0.0.1:50051", "`pdserve client`: the gRPC API to call")
 
-REGISTRY: tuple[EnvVar, ...] = (CACHE_DIR, GPU, AUTH_TOKEN, TARGET)
+REGISTRY: tuple[EnvVar, ...] = (CACHE_DIR, GPU, BENCH, AUTH_TOKEN, TARGET)
