@@ -31,6 +31,11 @@ Precisions (``EngineConfig`` fields; all with ``prepack_weights=False`` unless s
   int4          quantization="int4": 4-bit groups of 32 with a min (the Q4_1 linears kept
                 as they are; the embedding / lm_head stays 8-bit since the run that measured
                 4 bits there: 81.8% top-1 agreement, perplexity x1.043)
+  fp32 + int8 KV, gguf-q4 + int8 KV
+                kv_cache_dtype="int8": keys and values stored as int8 with a scale per 32
+                values (services/engine/kv_quant.py); every position attends to the
+                dequantized cache (the teacher-forced window is one prefill whose attention
+                reads the cache back), so the whole effect of the KV format is in the scores
 
 Metrics, over all windows: perplexity = exp(mean NLL of the text's next tokens; a window's
 last position has no in-window target and is left out), its ratio to fp32, top-1 agreement
@@ -73,6 +78,8 @@ PRECISIONS: dict[str, dict[str, object]] = {
     "gguf-q4 (prefill GEMMs)": {"quantization": "auto", "prepack_weights": True},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    "fp32 + int8 KV": {"quantization": "none", "dtype": "float32", "kv_cache_dtype": "int8"},
+    "gguf-q4 + int8 KV": {"quantization": "auto", "kv_cache_dtype": "int8"},
 }
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True)
 _ids = itertools.count()

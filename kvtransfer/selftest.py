@@ -13,6 +13,7 @@ import torch
 
 from kvtransfer.transport import Transport
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
+from services.engine.kv_quant import row_layout
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ def self_test(
     if transport.name == "nccl":
         log.warning("KV transport nccl: available; bandwidth is measured on the first transfers")
         return SelfTest(transport.name, 0, 0.0)
-    dtype = getattr(torch, layout.dtype)
-    per_block = 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim
+    row, dtype = row_layout(layout.dtype, layout.head_dim)
+    per_block = 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * row
     per_block *= torch.empty((), dtype=dtype).element_size()
     n_blocks = max(1, nbytes // per_block)
     shape = (
@@ -61,9 +62,13 @@ def self_test(
         n_blocks,
         layout.block_size,
         layout.num_kv_heads,
-        layout.head_dim,
+        row,
     )
-    blocks = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point:
+        blocks = torch.randn(shape, generator=gen).to(dtype)
+    else:  # int8 rows: the transfer moves bytes and never reads them as values
+        blocks = torch.randint(0, 256, shape, dtype=dtype, generator=gen)
     n_tokens = n_blocks * layout.block_size - 1
     handle = KVHandle("self-test", tuple(range(n_tokens + 1)), n_tokens, layout, (), blocks)
     server = transport.serve(_Held(handle), "127.0.0.1", 0)

@@ -19,6 +19,7 @@ from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError
 from services.engine.kv_cache import empty_bytes
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
+from services.engine.kv_quant import row_layout
 from services.engine.kv_stream import KVPiece
 
 if TYPE_CHECKING:
@@ -34,7 +35,14 @@ except ImportError:  # NOTE: installed by deploy/setup.sh; without it host trans
 # 15-20% faster at 64-256 MB in interleaved runs (BENCHMARKS.md); still far under every
 # message limit, and one layer's piece of a 512-token prefill chunk (786 KB) stays whole
 DEFAULT_CHUNK_BYTES = 2 << 20
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def storage(fp: LayoutFingerprint) -> tuple[int, torch.dtype]:
+    """(elements of one stored (position, kv head) row, their dtype) of a layout's blocks."""
+    try:
+        return row_layout(fp.dtype, fp.head_dim)
+    except ValueError as e:
+        raise TransferError(str(e)) from None
 
 
 class TransferError(Exception):
@@ -274,17 +282,15 @@ def check_header(
     receiver's layout or its sizes do not add up."""
     layout = layout_from_proto(h.layout)
     check_layout(layout, expected)
-    if layout.dtype not in DTYPES:
-        raise TransferError(f"unknown dtype {layout.dtype!r}")
+    row, dtype = storage(layout)
     shape = (
         layout.num_layers,
         2,
         h.num_blocks,
         layout.block_size,
         layout.num_kv_heads,
-        layout.head_dim,
+        row,
     )
-    dtype = DTYPES[layout.dtype]
     want_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if h.total_bytes != want_bytes:
         raise TransferError(f"header says {h.total_bytes} bytes, layout needs {want_bytes}")
@@ -466,13 +472,12 @@ class StreamAssembler:
     ) -> None:
         check_layout(layout_from_proto(h.layout), expected)
         fp = self.fp = expected
-        if fp.dtype not in DTYPES:
-            raise TransferError(f"unknown dtype {fp.dtype!r}")
+        row, dtype = storage(fp)
         self.n_tokens, self.n_blocks = h.num_computed, h.num_blocks
         if self.n_blocks != -(-self.n_tokens // fp.block_size):
             raise TransferError(f"header says {self.n_blocks} blocks for {self.n_tokens} tokens")
-        esize = torch.empty((), dtype=DTYPES[fp.dtype]).element_size()
-        self.row = fp.num_kv_heads * fp.head_dim * esize  # bytes of one position of k (or v)
+        esize = torch.empty((), dtype=dtype).element_size()
+        self.row = fp.num_kv_heads * row * esize  # bytes of one position of k (or v)
         slots = self.n_blocks * fp.block_size
         # NOTE: uninitialised: no zeroing pass over memory the pieces overwrite
         self.buf = empty_bytes(fp.num_layers * 2 * slots * self.row, device)

@@ -38,6 +38,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "none", "int8", "int4"],
         help="weights: auto keeps a GGUF's quantized weights (CPU kernels)",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8"],
+        help="KV cache storage: auto = dtype; int8 = int8 with a scale per 32 values",
+    )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument(
         "--attention-backend",
@@ -159,6 +165,7 @@ def _generate(args: argparse.Namespace) -> int:
             threads=args.threads,
             dtype=args.dtype,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             speculative_tokens=args.speculative_tokens,
             device=args.device,
             attention_backend=args.attention_backend,

@@ -128,6 +128,11 @@ class ServeConfig(BaseModel):
         description="weights: auto keeps a GGUF's Q8_0/Q4_x weights quantized (CPU kernels); "
         "none = dtype everywhere; int8/int4 quantize float weights on load (CPU)",
     )
+    kv_cache_dtype: Literal["auto", "int8"] = Field(
+        "auto",
+        description="KV cache storage: auto = dtype; int8 = int8 with a scale per 32 values "
+        "(a quarter of fp32's bytes: 4x the blocks in the same memory)",
+    )
     device: str = Field("cpu", description="cpu or cuda")
     speculative_tokens: int = Field(
         0,
@@ -253,6 +258,7 @@ class ServeConfig(BaseModel):
             dtype=self.dtype,
             device=self.device,
             quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             speculative_tokens=self.speculative_tokens,
             attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs,

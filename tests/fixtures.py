@@ -43,6 +43,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral-window": dict(
         arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=24
     ),
+    # head_dim 64 (two int8 KV scale groups of 32 per row; the others have head_dim 16)
+    "llama-hd64": dict(arch="llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
 }
 
 

@@ -186,35 +186,32 @@ class TorchAttention:
     ) -> torch.Tensor:
         plan = meta.plan
         assert isinstance(plan, _TorchPlan), "prepare(meta) runs once per step, before forward"
-        kflat, vflat = cache.flat(layer)  # [kv_heads, slots, head_dim]
         if plan.decode is not None and plan.decode.rows is None:
-            return self._decode(q, kflat, vflat, plan.decode)  # pure decode: no scatter needed
+            return self._decode(q, cache, layer, plan.decode)  # pure decode: no scatter needed
         out = torch.empty_like(q)
         if plan.decode is not None:
             rows = plan.decode.rows
-            out[rows] = self._decode(q[rows], kflat, vflat, plan.decode)
+            out[rows] = self._decode(q[rows], cache, layer, plan.decode)
         for p in plan.prefills:
             # NOTE: 4-D inputs: torch's CPU flash kernel only takes those (3-D falls back to the
             # quadratic-memory math path, 5x slower at 2k tokens).
             qs = q[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-            k = kflat.index_select(1, p.slots).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
-            v = vflat.index_select(1, p.slots).unsqueeze(0)
+            k, v = cache.gather(layer, p.slots)  # [kv_heads, ctx, head_dim]
             o = F.scaled_dot_product_attention(
-                qs, k, v, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
-            )
+                qs, k.unsqueeze(0), v.unsqueeze(0), attn_mask=p.mask, is_causal=p.mask is None,
+                enable_gqa=True,
+            )  # fmt: skip
             out[p.q_start : p.q_end] = o[0].transpose(0, 1)
         return out
 
     @staticmethod
-    def _decode(
-        q: torch.Tensor, kflat: torch.Tensor, vflat: torch.Tensor, plan: _DecodePlan
-    ) -> torch.Tensor:
+    def _decode(q: torch.Tensor, cache: KVCache, layer: int, plan: _DecodePlan) -> torch.Tensor:
         b, heads, dim = q.shape
-        g = kflat.shape[0]
         ctx = plan.slots.shape[1]
-        flat_slots = plan.slots.reshape(-1)
-        k = kflat.index_select(1, flat_slots).view(g, b, ctx, dim)  # [kv_heads, b, ctx, head_dim]
-        v = vflat.index_select(1, flat_slots).view(g, b, ctx, dim)
+        k, v = cache.gather(layer, plan.slots.reshape(-1))
+        g = k.shape[0]
+        k = k.view(g, b, ctx, dim)  # [kv_heads, b, ctx, head_dim]
+        v = v.view(g, b, ctx, dim)
         qg = q.view(b, g, heads // g, dim).transpose(0, 1)  # [kv_heads, b, group, head_dim]
         scores = torch.matmul(qg, k.transpose(-1, -2)) * dim**-0.5  # [kv_heads, b, group, ctx]
         # NOTE: softmax in fp32 whatever the model dtype (the bias is fp32); the probabilities

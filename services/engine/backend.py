@@ -25,6 +25,8 @@ class Backend:
     # its launches read every size from device tensors, so a CUDA graph may capture a decode
     # step once per batch bucket and replay it (the torch reference slices by host lengths)
     graph_safe: bool
+    # reads and writes an int8 KV cache (services.engine.kv_quant)
+    int8_kv: bool = True
 
 
 def _load_torch() -> Backend:
@@ -40,7 +42,7 @@ def _load_cpu() -> Backend:
 def _load_triton() -> Backend:
     from services.engine.triton_backend import TritonAttention, TritonOps
 
-    return Backend("triton", TritonAttention(), TritonOps(), graph_safe=True)
+    return Backend("triton", TritonAttention(), TritonOps(), graph_safe=True, int8_kv=False)
 
 
 BACKENDS: dict[str, Callable[[], Backend]] = {

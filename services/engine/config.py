@@ -153,6 +153,7 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
 
 Role = Literal["both", "prefill", "decode"]
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_DTYPES = ("auto", "int8")  # kv_cache_dtype (services.engine.kv_quant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +178,9 @@ class EngineConfig:
     # build (float checkpoints stay float; CUDA dequantizes); "none" computes everything in
     # dtype; "int8" / "int4" quantize float weights on load (CPU, groups of 32)
     quantization: str = "auto"
+    # KV cache storage: "auto" = the model's dtype; "int8" = int8 with a scale per 32 values
+    # (services.engine.kv_quant): a quarter of fp32's bytes, twice the blocks of bf16's
+    kv_cache_dtype: str = "auto"
     # CUDA only: capture pure decode steps as CUDA graphs (needs a graph-safe backend)
     cuda_graphs: bool = True
     # CUDA only: size the KV pool from device memory (this fraction of the device for weights,
@@ -216,6 +220,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.quantization must be one of {', '.join(QUANTIZATIONS)}, "
                 f"got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.gpu_memory_utilization is not None and not (0 < self.gpu_memory_utilization <= 1):
             raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1]")

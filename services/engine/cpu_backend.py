@@ -45,12 +45,17 @@ class CpuAttention:
     ) -> torch.Tensor:
         if not meta.is_pure_decode:
             return self.reference.forward(q, cache, layer, meta)
-        kc, vc = cache.k[layer], cache.v[layer]  # [kv_heads, blocks, block_size, head_dim]
+        kc, vc = cache.k[layer], cache.v[layer]  # [kv_heads, blocks, block_size, row]
         b, heads, dim = q.shape
         q = q.contiguous()
         out = torch.empty_like(q)
         tables = meta.block_tables
-        self.lib.pdserve_decode_attention(
+        kernel = (
+            self.lib.pdserve_decode_attention_q8
+            if cache.quantized
+            else self.lib.pdserve_decode_attention
+        )
+        kernel(
             q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1] * kc.shape[2],
             tables.data_ptr(), tables.stride(0), meta.seq_lens.data_ptr(), b, heads,
             kc.shape[0], dim, meta.block_size, meta.sliding_window or 0, dim**-0.5,
@@ -93,7 +98,12 @@ class CpuOps:
         positions, cos, sin = rope  # type: ignore[misc]
         t, heads, dim = q.shape
         kc, vc = cache.k[layer], cache.v[layer]
-        self.lib.pdserve_rope_and_cache(
+        kernel = (
+            self.lib.pdserve_rope_and_cache_q8
+            if cache.quantized
+            else self.lib.pdserve_rope_and_cache
+        )
+        kernel(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             t, heads, k.shape[1], dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             kc.data_ptr(), vc.data_ptr(), kc.shape[1] * kc.shape[2], slot_mapping.data_ptr(),

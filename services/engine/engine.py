@@ -31,6 +31,7 @@ from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.errors import InvalidRequestError, LayoutMismatchError, UnknownRequestError
 from services.engine.kv_cache import KVCache
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
+from services.engine.kv_quant import resolve_kv_dtype
 from services.engine.kv_stream import KVPiece, KVSink
 from services.engine.loader import LoadedModel, load_model
 from services.engine.memory import activation_bytes, blocks_for_memory
@@ -110,6 +111,12 @@ class Engine:
         )
         mc = loaded.config
         self.backend = get_backend(config.attention_backend, config.device, dtype, mc.head_dim)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype_name)
+        if self.kv_dtype == "int8" and not self.backend.int8_kv:
+            raise ValueError(
+                f"kv_cache_dtype int8 is not implemented by the {self.backend.name!r} attention "
+                "backend; use kv_cache_dtype auto, or attention_backend torch or cpu"
+            )
         num_blocks = self._num_kv_blocks(config, dtype)
         self.cache = KVCache(
             mc.num_layers,
@@ -119,6 +126,7 @@ class Engine:
             mc.head_dim,
             dtype,
             config.device,
+            self.kv_dtype,
         )
         self.blocks = BlockManager(
             num_blocks,
@@ -153,7 +161,7 @@ class Engine:
             mc.num_kv_heads,
             mc.head_dim,
             config.block_size,
-            self.dtype_name,
+            self.kv_dtype,  # the storage format: what the blocks' bytes mean
         )
         eos = set(mc.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -449,7 +457,7 @@ class Engine:
             free=free,
             utilization=config.gpu_memory_utilization,
             bytes_per_block=KVCache.bytes_per_block(
-                mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype
+                mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype
             ),
             activation_bytes=activation_bytes(mc, config, dtype),
         )
@@ -480,11 +488,15 @@ class Engine:
         if not rows:
             return None
 
+        encode = self.cache.encode
+
         def hook(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             for sink, a, b, start in rows:
                 # NOTE: a copy (stack), taken before the next layer runs: the sender reads it
-                # from its own thread while the engine goes on
-                sink.put(KVPiece(layer, start, start + b - a, torch.stack((k[a:b], v[a:b]))))
+                # from its own thread while the engine goes on. In the cache's storage format:
+                # int8 rows are a pure function of the values, so these are the cache's bytes.
+                data = torch.stack((encode(k[a:b]), encode(v[a:b])))
+                sink.put(KVPiece(layer, start, start + b - a, data))
 
         return hook
 
@@ -498,7 +510,7 @@ class Engine:
         blocks = torch.tensor(table[: self.blocks.blocks_needed(end)], dtype=torch.long)
         slots = (blocks[pos // bs] * bs + pos % bs).to(self.cache.k[0].device)
         for layer in range(self.model_config.num_layers):
-            k, v = self.cache.flat(layer)  # [kv_heads, slots, head_dim]
+            k, v = self.cache.flat(layer)  # [kv_heads, slots, row]: the storage format
             data = torch.stack((k.index_select(1, slots), v.index_select(1, slots)))
             sink.put(KVPiece(layer, 0, end, data.transpose(1, 2).contiguous()))
 
@@ -527,7 +539,7 @@ class Engine:
             self.blocks.blocks_needed(handle.num_computed),
             self.config.block_size,
             mc.num_kv_heads,
-            mc.head_dim,
+            self.cache.k[0].shape[-1],  # the storage row (head_dim values for float formats)
         )
         if tuple(handle.blocks.shape) != want:
             raise InvalidRequestError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from services.engine import kv_quant
 from services.engine.host_buffers import HOST_BUFFERS
 
 
@@ -21,7 +22,8 @@ def empty_bytes(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
 class KVCache:
     """Preallocated paged KV storage.
 
-    Layout per layer: ``[num_kv_heads, num_blocks, block_size, head_dim]``; token ``t`` of a
+    Layout per layer: ``[num_kv_heads, num_blocks, block_size, row]`` (``row`` = head_dim
+    values, or for int8 the quantized row of ``kv_quant``); token ``t`` of a
     request lives at slot ``block_table[t // block_size] * block_size + t % block_size`` of
     every head.
     NOTE: heads outermost so that gathering a batch's context yields ``[kv_heads, ..., ctx,
@@ -39,34 +41,59 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: str,
+        kv_dtype: str | None = None,
     ) -> None:
-        shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)
+        """``dtype``: what attention computes in (and reads back); ``kv_dtype``: the storage
+        format (``services.engine.kv_quant``), None = ``dtype`` itself."""
+        self.kv_dtype = kv_dtype or next(n for n, d in kv_quant.FLOAT_DTYPES.items() if d == dtype)
+        row, storage = kv_quant.row_layout(self.kv_dtype, head_dim)
+        self.quantized = self.kv_dtype == "int8"
+        self.dtype, self.head_dim = dtype, head_dim
+        shape = (num_kv_heads, num_blocks + 1, block_size, row)
         self.block_size = block_size
         self.scratch_block = num_blocks
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=storage, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=storage, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_dtype: str
     ) -> int:
         """Device bytes one block takes over every layer, keys and values."""
-        esize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * esize
+        row, storage = kv_quant.row_layout(kv_dtype, head_dim)
+        esize = torch.empty((), dtype=storage).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * row * esize
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., head_dim] keys or values as the cache stores them (rows of ``kv_quant``)."""
+        return kv_quant.quantize(x) if self.quantized else x
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim]; slots: [num_tokens] int64."""
-        kc, vc = self.k[layer], self.v[layer]
-        kc.view(kc.shape[0], -1, kc.shape[3]).index_copy_(1, slots, k.transpose(0, 1))
-        vc.view(vc.shape[0], -1, vc.shape[3]).index_copy_(1, slots, v.transpose(0, 1))
+        kc, vc = self.flat(layer)
+        kc.index_copy_(1, slots, self.encode(k).transpose(0, 1))
+        vc.index_copy_(1, slots, self.encode(v).transpose(0, 1))
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[num_kv_heads, num_blocks * block_size, head_dim]`` of one layer's k and v."""
+        """Storage views ``[num_kv_heads, num_blocks * block_size, row]`` of one layer's k
+        and v (``row`` = head_dim for float formats)."""
         kc, vc = self.k[layer], self.v[layer]
         return kc.view(kc.shape[0], -1, kc.shape[3]), vc.view(vc.shape[0], -1, vc.shape[3])
 
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``slots`` ([n] int64), ``[num_kv_heads, n, head_dim]`` in the
+        compute dtype (dequantized for int8)."""
+        kc, vc = self.flat(layer)
+        k, v = kc.index_select(1, slots), vc.index_select(1, slots)
+        if self.quantized:
+            return (
+                kv_quant.dequantize(k, self.head_dim, self.dtype),
+                kv_quant.dequantize(v, self.head_dim, self.dtype),
+            )
+        return k, v
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy out blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        """Copy out blocks (storage format): [num_layers, 2, len(block_ids), block_size, kv_heads, row]."""
         k0 = self.k[0]
         heads, _, block_size, head_dim = k0.shape
         idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)

@@ -35,25 +35,29 @@ def test_add_rms_norm(cpu, with_residual):
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
 
 
-def test_rope_and_cache(cpu):
-    cfg = ModelConfig("llama", 100, 96, 64, 1, 6, 2, 16, 128)
+@pytest.mark.parametrize("kv_dtype,dim", [("float32", 16), ("int8", 64)])
+def test_rope_and_cache(cpu, kv_dtype, dim):
+    """Same bytes in the cache: for int8 the C quantizer rounds exactly as kv_quant does."""
+    cfg = ModelConfig("llama", 100, 6 * dim, 64, 1, 6, 2, dim, 128)
     rot = Rotary(cfg, 128, torch.float32, "cpu")
     g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(4, (6 + 4) * 16, generator=g)  # a fused projection: strided views
+    qkv = torch.randn(4, (6 + 4) * dim, generator=g)  # a fused projection: strided views
+    qkv[0, 6 * dim + 2 * dim : 6 * dim + 2 * dim + 32] = 0  # an all-zero int8 group
     positions = torch.tensor([0, 5, 77, 127])
     slots = torch.tensor([3, -1, 40, 9])  # -1: padding, not written
     outs = []
     for ops in (TorchOps(), cpu[1]):
-        cache = KVCache(1, 8, 8, 2, 16, torch.float32, "cpu")
-        q, k, v = qkv.clone().split((96, 32, 32), dim=-1)
-        q, k, v = q.view(4, 6, 16), k.view(4, 2, 16), v.view(4, 2, 16)
+        cache = KVCache(1, 8, 8, 2, dim, torch.float32, "cpu", kv_dtype)
+        q, k, v = qkv.clone().split((6 * dim, 2 * dim, 2 * dim), dim=-1)
+        q, k, v = q.view(4, 6, dim), k.view(4, 2, dim), v.view(4, 2, dim)
         keep = slots >= 0  # the torch reference has no padding rule: give it the real rows
         if isinstance(ops, TorchOps):
             qo, ko = ops.rope_and_cache(
                 q, k, v, ops.rope_tables(positions, rot), cache, 0, slots.clamp(min=0)
             )
-            cache.k[0].view(2, -1, 16)[:, 0] = 0  # undo the padding row's write to slot 0
-            cache.v[0].view(2, -1, 16)[:, 0] = 0
+            kc, vc = cache.flat(0)
+            kc[:, 0] = 0  # undo the padding row's write to slot 0
+            vc[:, 0] = 0
         else:
             qo, ko = ops.rope_and_cache(q, k, v, ops.rope_tables(positions, rot), cache, 0, slots)
         outs.append((qo.clone(), ko.clone(), cache.k[0].clone(), cache.v[0].clone()))
@@ -69,21 +73,22 @@ def test_silu_and_mul(cpu):
     )
 
 
+@pytest.mark.parametrize("kv_dtype,dim", [("float32", 16), ("int8", 64)])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_decode_attention_matches_reference(cpu, window, block_size):
+def test_decode_attention_matches_reference(cpu, window, block_size, kv_dtype, dim):
     rng = random.Random(block_size)
     torch.manual_seed(block_size)
-    cache = KVCache(1, 120, block_size, 2, 16, torch.float32, "cpu")
-    cache.k[0].normal_()
-    cache.v[0].normal_()
+    cache = KVCache(1, 120, block_size, 2, dim, torch.float32, "cpu", kv_dtype)
+    every = torch.arange(120 * block_size)
+    cache.write(0, torch.randn(len(every), 2, dim), torch.randn(len(every), 2, dim), every)
     free = list(range(120))
     rng.shuffle(free)
     spans = []
     for n in (1, 5, 17, 33):
         table = [free.pop() for _ in range(-(-n // block_size))]
         spans.append(SeqSpan(n - 1, 1, table))
-    q = torch.randn(len(spans), 6, 16)
+    q = torch.randn(len(spans), 6, dim)
     outs = []
     for att in (TorchAttention(), cpu[0]):
         meta = build_metadata(spans, block_size, "cpu", window)

@@ -9,6 +9,7 @@ import time
 import torch
 
 from kvtransfer.stream import KVStream
+from services.engine import kv_quant
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_stream import KVPiece
 
@@ -93,7 +94,12 @@ def random_handle(
 ) -> KVHandle:
     fp = LayoutFingerprint("m", layers, kv_heads, head_dim, block_size, dtype)
     g = torch.Generator().manual_seed(n_blocks * 7 + layers)
-    blocks = torch.randn(layers, 2, n_blocks, block_size, kv_heads, head_dim, generator=g)
+    if dtype == "int8":  # quantized rows of a real cache (values, then per-32 scales)
+        x = torch.randn(layers, 2, n_blocks, block_size, kv_heads, head_dim, generator=g)
+        blocks = kv_quant.quantize(x)
+    else:
+        blocks = torch.randn(layers, 2, n_blocks, block_size, kv_heads, head_dim, generator=g)
+        blocks = blocks.to(getattr(torch, dtype))
     n_tokens = n_blocks * block_size - 1
     return KVHandle(
         "r",
@@ -101,6 +107,6 @@ def random_handle(
         n_tokens,
         fp,
         (b"h" * 16,) * (n_blocks - 1),
-        blocks.to(getattr(torch, dtype)),
+        blocks,
         -0.5,
     )

@@ -35,6 +35,7 @@ def client():
         dict(layers=30, kv_heads=3, head_dim=64, block_size=16, n_blocks=9),  # SmolLM2's layout
         dict(dtype="bfloat16"),
         dict(dtype="float16", n_blocks=1, block_size=1),
+        dict(dtype="int8", head_dim=64, n_blocks=7),
     ],
 )
 @pytest.mark.parametrize("chunk_bytes", [1000, 1 << 20])

@@ -26,6 +26,7 @@ LAYOUTS = [
     dict(layers=30, kv_heads=3, head_dim=64, block_size=16, n_blocks=9),  # SmolLM2's layout
     dict(dtype="bfloat16", n_blocks=33),
     dict(dtype="float16", n_blocks=1, block_size=1),
+    dict(dtype="int8", head_dim=64, n_blocks=7),  # uint8 rows: values and per-32 scales
 ]
 
 
