@@ -35,8 +35,6 @@ class CpuAttention:
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.is_pure_decode:
             meta.plan = None
-            if self._scores.numel() < meta.max_seq_len:
-                self._scores = torch.empty(max(meta.max_seq_len, 1024))
         else:
             self.reference.prepare(meta)
 
@@ -47,6 +45,9 @@ class CpuAttention:
             return self.reference.forward(q, cache, layer, meta)
         kc, vc = cache.k[layer], cache.v[layer]  # [kv_heads, blocks, block_size, row]
         b, heads, dim = q.shape
+        need = heads // kc.shape[0] * meta.max_seq_len  # scores of one kv head's query group
+        if self._scores.numel() < need:
+            self._scores = torch.empty(max(need, 4096))
         q = q.contiguous()
         out = torch.empty_like(q)
         tables = meta.block_tables

@@ -27,6 +27,7 @@ from services.engine.backend import get_backend
 from services.engine.block_hash import hash_block, hash_blocks
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.cpu_decode import FusedDecode
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.errors import InvalidRequestError, LayoutMismatchError, UnknownRequestError
 from services.engine.kv_cache import KVCache
@@ -154,7 +155,12 @@ class Engine:
                 capture=True,
             )
             graphs.capture_all()  # at start, as padding only: no request waits for a capture
-        self.runner = ModelRunner(self.model, self.cache, self.step_state, self.backend, graphs)
+        fused = None
+        if FusedDecode.supported(self.model, self.backend.name):
+            fused = FusedDecode(self.model, self.cache, self.max_model_len)
+        self.runner = ModelRunner(
+            self.model, self.cache, self.step_state, self.backend, graphs, fused
+        )
         self.fingerprint = LayoutFingerprint(
             self.model_id,
             mc.num_layers,

@@ -1,7 +1,8 @@
 """Turns a scheduled step into device inputs, runs the model, and returns next-token logits.
 
 Pure decode steps go through ``DecodeGraphs`` when CUDA graphs are on (captured once per
-batch-size bucket, replayed with padded inputs); prefill and mixed steps run eagerly.
+batch-size bucket, replayed with padded inputs), and on CPU through ``FusedDecode`` (every
+layer in one C call) where it applies; prefill and mixed steps run op by op.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from services.engine.backend import Backend
+from services.engine.cpu_decode import FusedDecode
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.kv_cache import KVCache
 from services.engine.model import LayerHook, LlamaModel
@@ -26,12 +28,14 @@ class ModelRunner:
         state: StepState,
         backend: Backend,
         graphs: DecodeGraphs | None = None,
+        fused: FusedDecode | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
         self.state = state
         self.backend = backend
         self.graphs = graphs
+        self.fused = fused
 
     def run(
         self, spans: Sequence[ScheduledSpan], layer_hook: LayerHook | None = None
@@ -45,6 +49,9 @@ class ModelRunner:
         ):
             return self.graphs.run(spans)
         inp = self.state.build(spans)
+        if self.fused is not None and layer_hook is None and self.fused.fits(inp.meta):
+            hidden = self.fused.run(inp.input_ids, inp.positions, inp.meta)
+            return self.model.lm_head(hidden[inp.logits_idx]).float()
         return self.model.forward(
             inp.input_ids,
             inp.positions,

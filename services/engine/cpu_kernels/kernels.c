@@ -27,7 +27,7 @@
 #define QK 32
 #define MAX_ROWS 8 /* rows of x per pass over the weights (callers split larger batches) */
 
-int pdserve_kernels_abi(void) { return 5; }
+int pdserve_kernels_abi(void) { return 7; }
 
 int pdserve_kernels_simd(void) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -343,110 +343,266 @@ void pdserve_silu_and_mul(const float *restrict gu, int T, int I, float *restric
     }
 }
 
-static inline float dot_d(const float *restrict a, const float *restrict b, int D) {
-    float acc[8] = {0};
-    int i = 0;
-    for (; i + 8 <= D; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
-    float s = 0.f;
-    for (; i < D; i++) s += a[i] * b[i];
-    for (int l = 0; l < 8; l++) s += acc[l];
-    return s;
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp(x) for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial, relative
+ * error about 2e-7; x < -87.3 gives 0 */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* 8 values of a cache row starting at element c (fp32 rows, or int8 rows of D values + D/32
+ * scales) */
+static inline __m256 row8(const uint8_t *row, int c, int D, int q8) {
+    if (!q8) return _mm256_loadu_ps((const float *)row + c);
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + c))));
+    return _mm256_mul_ps(v, _mm256_broadcast_ss((const float *)(row + D) + c / 32));
+}
+#endif
+
+/* One (sequence, kv head): the G query heads sharing it attend over positions [lo, L).
+ * Each K and V row is read once for all G heads. qg [G, D]; out [G, D];
+ * scores: G * (L - lo) floats. Rows: fp32 (q8 = 0) or int8 (q8 = 1), `row` bytes apart. */
+static void attend_group(const float *restrict qg, int G, int D, const uint8_t *restrict kc,
+                         const uint8_t *restrict vc, int64_t row, int q8,
+                         const int32_t *restrict tab, int block_size, int lo, int L, float scale,
+                         float *restrict out, float *restrict scores) {
+    const int n = L - lo;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0 && G <= 16) {
+        for (int j = 0; j < n; j++) {
+            const int p = lo + j;
+            const uint8_t *kr = kc + ((int64_t)tab[p / block_size] * block_size + p % block_size) * row;
+            __m256 acc[16];
+            for (int h = 0; h < G; h++) acc[h] = _mm256_setzero_ps();
+            for (int c = 0; c < D; c += 8) {
+                const __m256 k = row8(kr, c, D, q8);
+                for (int h = 0; h < G; h++) acc[h] = _mm256_fmadd_ps(k, _mm256_loadu_ps(qg + h * D + c), acc[h]);
+            }
+            for (int h = 0; h < G; h++) scores[(int64_t)h * n + j] = hsum(acc[h]) * scale;
+        }
+        float inv[16];
+        for (int h = 0; h < G; h++) {
+            float *sc = scores + (int64_t)h * n;
+            float mx = -INFINITY;
+            for (int j = 0; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+            const __m256 m8 = _mm256_set1_ps(mx);
+            __m256 s8 = _mm256_setzero_ps();
+            int j = 0;
+            for (; j + 8 <= n; j += 8) {
+                const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m8));
+                _mm256_storeu_ps(sc + j, e);
+                s8 = _mm256_add_ps(s8, e);
+            }
+            float sum = hsum(s8);
+            for (; j < n; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
+            inv[h] = 1.f / sum;
+            for (int i = 0; i < D; i++) out[(int64_t)h * D + i] = 0.f;
+        }
+        if (D % 64 == 0) { /* head by head, 64 values at a time in registers; V rows re-read
+                              from cache, ~2x fewer ops than accumulating in memory */
+            for (int h = 0; h < G; h++) {
+                const float *sc = scores + (int64_t)h * n;
+                for (int c0 = 0; c0 < D; c0 += 64) {
+                    __m256 acc[8];
+                    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+                    for (int j = 0; j < n; j++) {
+                        const int p = lo + j;
+                        const uint8_t *vr = vc + ((int64_t)tab[p / block_size] * block_size + p % block_size) * row;
+                        const __m256 w = _mm256_set1_ps(sc[j] * inv[h]);
+                        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(w, row8(vr, c0 + 8 * c, D, q8), acc[c]);
+                    }
+                    for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + (int64_t)h * D + c0 + 8 * c, acc[c]);
+                }
+            }
+            return;
+        }
+        for (int j = 0; j < n; j++) {
+            const int p = lo + j;
+            const uint8_t *vr = vc + ((int64_t)tab[p / block_size] * block_size + p % block_size) * row;
+            for (int c = 0; c < D; c += 8) {
+                const __m256 v = row8(vr, c, D, q8);
+                for (int h = 0; h < G; h++) {
+                    float *o = out + (int64_t)h * D + c;
+                    const __m256 w = _mm256_set1_ps(scores[(int64_t)h * n + j] * inv[h]);
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(w, v, _mm256_loadu_ps(o)));
+                }
+            }
+        }
+        return;
+    }
+#endif
+    for (int h = 0; h < G; h++) { /* portable path */
+        const float *qh = qg + (int64_t)h * D;
+        float *sc = scores + (int64_t)h * n, *o = out + (int64_t)h * D;
+        float mx = -INFINITY;
+        for (int j = 0; j < n; j++) {
+            const int p = lo + j;
+            const uint8_t *kr = kc + ((int64_t)tab[p / block_size] * block_size + p % block_size) * row;
+            float dot = 0.f;
+            for (int i = 0; i < D; i++) {
+                const float k = q8 ? (float)((const int8_t *)kr)[i] * ((const float *)(kr + D))[i / 32]
+                                   : ((const float *)kr)[i];
+                dot += qh[i] * k;
+            }
+            sc[j] = dot * scale;
+            if (sc[j] > mx) mx = sc[j];
+        }
+        float sum = 0.f;
+        for (int j = 0; j < n; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
+        for (int i = 0; i < D; i++) o[i] = 0.f;
+        for (int j = 0; j < n; j++) {
+            const int p = lo + j;
+            const uint8_t *vr = vc + ((int64_t)tab[p / block_size] * block_size + p % block_size) * row;
+            const float w = sc[j] / sum;
+            for (int i = 0; i < D; i++) {
+                const float v = q8 ? (float)((const int8_t *)vr)[i] * ((const float *)(vr + D))[i / 32]
+                                   : ((const float *)vr)[i];
+                o[i] += w * v;
+            }
+        }
+    }
+}
+
+static void decode_attention(const float *restrict q, const uint8_t *restrict k_cache,
+                             const uint8_t *restrict v_cache, int64_t num_slots, int64_t row,
+                             int q8, const int32_t *restrict tables, int table_stride,
+                             const int32_t *restrict seq_lens, int B, int H, int KVH, int D,
+                             int block_size, int window, float scale, float *restrict out,
+                             float *restrict scores) {
+    const int G = H / KVH;
+    for (int b = 0; b < B; b++) {
+        const int L = seq_lens[b];
+        const int lo = window > 0 && L > window ? L - window : 0;
+        for (int g = 0; g < KVH; g++)
+            attend_group(q + ((int64_t)b * H + g * G) * D, G, D,
+                         k_cache + (int64_t)g * num_slots * row, v_cache + (int64_t)g * num_slots * row,
+                         row, q8, tables + (int64_t)b * table_stride, block_size, lo, L, scale,
+                         out + ((int64_t)b * H + g * G) * D, scores);
+    }
 }
 
 /* One query token per sequence: out [B, H, D] = softmax(q k^T * scale) v over each
  * sequence's context [0, seq_lens[b]) (and the last `window` positions when window > 0),
- * read through its block table. scores: scratch of max_ctx floats. */
+ * read through its block table; caches [KVH, num_slots, D] fp32. scores: scratch of
+ * (H / KVH) * max_ctx floats. */
 void pdserve_decode_attention(const float *restrict q, const float *restrict k_cache,
                               const float *restrict v_cache, int64_t num_slots,
                               const int32_t *restrict tables, int table_stride,
                               const int32_t *restrict seq_lens, int B, int H, int KVH, int D,
                               int block_size, int window, float scale, float *restrict out,
                               float *restrict scores) {
-    const int group = H / KVH;
-    for (int b = 0; b < B; b++) {
-        const int L = seq_lens[b];
-        const int lo = window > 0 && L > window ? L - window : 0;
-        const int32_t *tab = tables + (int64_t)b * table_stride;
-        for (int h = 0; h < H; h++) {
-            const int g = h / group;
-            const float *qh = q + ((int64_t)b * H + h) * D;
-            const float *kg = k_cache + (int64_t)g * num_slots * D;
-            const float *vg = v_cache + (int64_t)g * num_slots * D;
-            float mx = -INFINITY;
-            for (int j = lo; j < L; j++) {
-                const int64_t slot = (int64_t)tab[j / block_size] * block_size + j % block_size;
-                const float sc = dot_d(qh, kg + slot * D, D) * scale;
-                scores[j] = sc;
-                if (sc > mx) mx = sc;
-            }
-            float sum = 0.f;
-            for (int j = lo; j < L; j++) { scores[j] = expf(scores[j] - mx); sum += scores[j]; }
-            float *o = out + ((int64_t)b * H + h) * D;
-            for (int i = 0; i < D; i++) o[i] = 0.f;
-            const float inv = 1.f / sum;
-            for (int j = lo; j < L; j++) {
-                const int64_t slot = (int64_t)tab[j / block_size] * block_size + j % block_size;
-                const float p = scores[j] * inv;
-                const float *vr = vg + slot * D;
-                for (int i = 0; i < D; i++) o[i] += p * vr[i];
-            }
-        }
-    }
+    decode_attention(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, num_slots,
+                     (int64_t)D * 4, 0, tables, table_stride, seq_lens, B, H, KVH, D,
+                     block_size, window, scale, out, scores);
 }
 
-/* pdserve_decode_attention over an int8 cache ([KVH, slots, R] bytes, rows of quantize_row):
- * each 32-value group's dot product is scaled once; values are widened to fp32 in registers. */
+/* The same over an int8 cache ([KVH, num_slots, D + D / 8] bytes, rows of quantize_row) */
 void pdserve_decode_attention_q8(const float *restrict q, const uint8_t *restrict k_cache,
                                  const uint8_t *restrict v_cache, int64_t num_slots,
                                  const int32_t *restrict tables, int table_stride,
                                  const int32_t *restrict seq_lens, int B, int H, int KVH, int D,
                                  int block_size, int window, float scale, float *restrict out,
                                  float *restrict scores) {
-    const int group = H / KVH;
-    const int64_t R = D + D / 8;
-    for (int b = 0; b < B; b++) {
-        const int L = seq_lens[b];
-        const int lo = window > 0 && L > window ? L - window : 0;
-        const int32_t *tab = tables + (int64_t)b * table_stride;
-        for (int h = 0; h < H; h++) {
-            const int g = h / group;
-            const float *qh = q + ((int64_t)b * H + h) * D;
-            const uint8_t *kg = k_cache + (int64_t)g * num_slots * R;
-            const uint8_t *vg = v_cache + (int64_t)g * num_slots * R;
-            float mx = -INFINITY;
-            for (int j = lo; j < L; j++) {
-                const int64_t slot = (int64_t)tab[j / block_size] * block_size + j % block_size;
-                const int8_t *kr = (const int8_t *)(kg + slot * R);
-                const float *ks = (const float *)(kg + slot * R + D);
-                float sc = 0.f;
-                for (int gi = 0; gi < D / 32; gi++) {
-                    float acc[8] = {0};
-                    for (int i = 0; i < 32; i += 8)
-                        for (int l = 0; l < 8; l++) acc[l] += qh[gi * 32 + i + l] * (float)kr[gi * 32 + i + l];
-                    float part = 0.f;
-                    for (int l = 0; l < 8; l++) part += acc[l];
-                    sc += part * ks[gi];
-                }
-                sc *= scale;
-                scores[j] = sc;
-                if (sc > mx) mx = sc;
-            }
-            float sum = 0.f;
-            for (int j = lo; j < L; j++) { scores[j] = expf(scores[j] - mx); sum += scores[j]; }
-            float *o = out + ((int64_t)b * H + h) * D;
-            for (int i = 0; i < D; i++) o[i] = 0.f;
-            const float inv = 1.f / sum;
-            for (int j = lo; j < L; j++) {
-                const int64_t slot = (int64_t)tab[j / block_size] * block_size + j % block_size;
-                const float p = scores[j] * inv;
-                const int8_t *vr = (const int8_t *)(vg + slot * R);
-                const float *vs = (const float *)(vg + slot * R + D);
-                for (int gi = 0; gi < D / 32; gi++) {
-                    const float pv = p * vs[gi];
-                    for (int i = 0; i < 32; i++) o[gi * 32 + i] += pv * (float)vr[gi * 32 + i];
-                }
-            }
-        }
+    decode_attention(q, k_cache, v_cache, num_slots, D + D / 8, 1, tables, table_stride,
+                     seq_lens, B, H, KVH, D, block_size, window, scale, out, scores);
+}
+
+
+/* ---- a whole pure-decode step in one call -----------------------------------------------
+ * Batch-1 decode of a small model is dominated by per-op dispatch when each op is its own
+ * call from Python (about 10 calls a layer). This runs every layer of a pure decode step
+ * (B <= MAX_ROWS sequences, one new token each) with the functions above, in the model's op
+ * order (services/engine/model.py), so its results equal the per-op path bit for bit. */
+typedef struct {
+    int32_t kind; /* 4: q4 (qs, d, mn); 8: q8 (qs, d) */
+    int32_t N, K;
+    const uint8_t *qs;
+    const float *d, *mn, *bias; /* mn: q4 only; bias may be NULL */
+} pd_linear;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm;
+    pd_linear qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* [KVH, num_slots, row]: fp32 rows or int8 rows (kv_int8) */
+} pd_layer;
+
+typedef struct {
+    int32_t num_layers, hidden, heads, kv_heads, head_dim, inter;
+    float eps;
+    int32_t window, kv_int8, block_size;
+    int64_t num_slots;
+    const float *cos, *sin, *final_norm;
+    const pd_layer *layers;
+} pd_model;
+
+static void pd_apply(const pd_linear *l, const float *x, int M, float *y) {
+    if (l->kind == 4) pdserve_q4_gemm(x, M, l->K, l->qs, l->d, l->mn, l->N, y);
+    else pdserve_q8_gemm(x, M, l->K, (const int8_t *)l->qs, l->d, l->N, y);
+    if (l->bias)
+        for (int m = 0; m < M; m++)
+            for (int n = 0; n < l->N; n++) y[(int64_t)m * l->N + n] += l->bias[n];
+}
+
+/* x [B, hidden]: the tokens' embeddings (overwritten); out [B, hidden]: the final norm's
+ * output, for the lm_head. work: (4 * hidden + 3 * inter + (3 * heads + 2 * kv_heads) *
+ * head_dim) * B floats; scores: (heads / kv_heads) * max context floats. */
+void pdserve_decode_step(const pd_model *m, int B, float *restrict x,
+                         const int64_t *restrict positions, const int64_t *restrict slots,
+                         const int32_t *restrict tables, int table_stride,
+                         const int32_t *restrict seq_lens, float *restrict work,
+                         float *restrict scores, float *restrict out) {
+    const int h = m->hidden, D = m->head_dim, H = m->heads, KVH = m->kv_heads;
+    const int qkv_n = (H + 2 * KVH) * D;
+    float *res = work, *hn = res + (int64_t)B * h, *y = hn + (int64_t)B * h;
+    float *qkv = y + (int64_t)B * h, *q = qkv + (int64_t)B * qkv_n;
+    float *att = q + (int64_t)B * H * D, *gu = att + (int64_t)B * H * D;
+    float *act = gu + (int64_t)B * 2 * m->inter, *res2 = act + (int64_t)B * m->inter;
+    const float scale = 1.f / sqrtf((float)D);
+    for (int i = 0; i < m->num_layers; i++) {
+        const pd_layer *L = m->layers + i;
+        /* h, residual = add_rms_norm(x, residual): residual is None at layer 0 */
+        pdserve_add_rms_norm(x, i ? res : NULL, L->attn_norm, B, h, m->eps, hn, res2);
+        float *t = res; res = res2; res2 = t;
+        pd_apply(&L->qkv, hn, B, qkv);
+        if (m->kv_int8)
+            pdserve_rope_and_cache_q8(qkv, qkv_n, qkv + H * D, qkv_n, qkv + (H + KVH) * D, qkv_n,
+                                      B, H, KVH, D, positions, m->cos, m->sin, L->k_cache,
+                                      L->v_cache, m->num_slots, slots);
+        else
+            pdserve_rope_and_cache(qkv, qkv_n, qkv + H * D, qkv_n, qkv + (H + KVH) * D, qkv_n,
+                                   B, H, KVH, D, positions, m->cos, m->sin, L->k_cache,
+                                   L->v_cache, m->num_slots, slots);
+        for (int b = 0; b < B; b++) /* q rows contiguous [B, H, D] */
+            for (int j = 0; j < H * D; j++) q[(int64_t)b * H * D + j] = qkv[(int64_t)b * qkv_n + j];
+        if (m->kv_int8)
+            pdserve_decode_attention_q8(q, L->k_cache, L->v_cache, m->num_slots, tables,
+                                        table_stride, seq_lens, B, H, KVH, D, m->block_size,
+                                        m->window, scale, att, scores);
+        else
+            pdserve_decode_attention(q, L->k_cache, L->v_cache, m->num_slots, tables,
+                                     table_stride, seq_lens, B, H, KVH, D, m->block_size,
+                                     m->window, scale, att, scores);
+        pd_apply(&L->o, att, B, y);
+        pdserve_add_rms_norm(y, res, L->mlp_norm, B, h, m->eps, hn, res2);
+        t = res; res = res2; res2 = t;
+        pd_apply(&L->gate_up, hn, B, gu);
+        pdserve_silu_and_mul(gu, B, m->inter, act);
+        pd_apply(&L->down, act, B, x);
     }
+    pdserve_add_rms_norm(x, res, m->final_norm, B, h, m->eps, out, res2);
 }

@@ -1,0 +1,67 @@
+"""``FusedDecode``: a whole pure-decode step in one C call equals the per-op path bit for bit
+(tokens and log-probabilities), for every model variant, batch sizes up to and past its limit,
+float and int8 KV; and it is actually the path the engine takes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.engine.cpu_decode import MAX_BATCH, FusedDecode
+from services.engine.cpu_kernels import library
+from services.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(library.load() is None, reason=str(library.load_error()))
+
+
+def _run(eng, prompts, params):
+    toks = {f"r{i}": [] for i in range(len(prompts))}
+    lps = {f"r{i}": [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    while eng.has_unfinished:
+        for o in eng.step():
+            toks[o.request_id] += o.new_token_ids
+            lps[o.request_id] += o.new_logprobs or []
+    return toks, lps
+
+
+@pytest.mark.parametrize(
+    "model,extra",
+    [
+        ("llama-gqa-tied", {}),
+        ("qwen2-bias", {}),  # biases on q, k, v
+        ("mistral-window", {}),  # sliding window: contexts pass it below
+        ("llama-hd64", {"kv_cache_dtype": "int8"}),
+    ],
+)
+@pytest.mark.parametrize("batch", [1, 3, MAX_BATCH + 3])
+def test_fused_decode_equals_the_per_op_path(make_engine, model, extra, batch):
+    cfg = dict(quantization="int4", attention_backend="cpu", num_kv_blocks=256, **extra)
+    fused, per_op = make_engine(model, **cfg), make_engine(model, **cfg)
+    assert isinstance(fused.runner.fused, FusedDecode)
+    per_op.runner.fused = None
+    calls = {"n": 0}
+    run = fused.runner.fused.run
+
+    def counted(*a):
+        calls["n"] += 1
+        return run(*a)
+
+    fused.runner.fused.run = counted  # type: ignore[method-assign]
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(1, 30))] for _ in range(batch)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
+    got, want = _run(fused, prompts, params), _run(per_op, prompts, params)
+    assert got == want  # tokens and log-probabilities, exactly
+    if batch <= MAX_BATCH:
+        assert calls["n"] >= 5  # pure decode steps of <= MAX_BATCH sequences took the fused path
+    else:
+        assert calls["n"] == 0  # larger batches keep the per-op path
+
+
+def test_it_applies_only_to_quantized_fp32_cpu_engines(make_engine):
+    assert make_engine(quantization="none").runner.fused is None  # dense linears
+    assert make_engine(quantization="int8", attention_backend="torch").runner.fused is None
+    assert make_engine(quantization="int8").runner.fused is not None
