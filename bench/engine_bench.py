@@ -16,6 +16,7 @@ Measures in one run, beside the anchors (every engine on the same weights, one t
 Prints ratios, which stay meaningful on a noisy machine where absolute times drift.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/engine_bench.py [--quick] [--json out.json]
+        [--baseline-tree /tmp/old]   (a git worktree of the commit to compare tokens/s with)
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -261,8 +264,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer tokens")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--baseline-tree",
+        default=None,
+        help="also measure tokens/s at 8 and 32 concurrent with this source tree's default "
+        "engine (e.g. a git worktree of an earlier commit), in this run",
+    )
+    ap.add_argument("--tokens-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.tokens_only:  # the baseline tree's run: only APIs every earlier tree has
+        eng = Engine.from_path(
+            None, EngineConfig(num_kv_blocks=4096, max_num_batched_tokens=2048, max_num_seqs=64)
+        )
+        vocab = eng.model_config.vocab_size
+        out = {
+            f"c{c}": engine_decode(eng, prompts_of(32, c, vocab, 2000 + c), 96)[1] for c in (8, 32)
+        }
+        print("BASELINE " + json.dumps(out))
+        return
     ttft_lens = [64, 128] if args.quick else [128, 512, 2048]
     batches = [1, 8] if args.quick else [1, 8, 32]
     new_tokens = 8 if args.quick else 32
@@ -313,6 +333,17 @@ def main() -> None:
             for name, e in engines.items()
         }
         print(f"tok/s at {c} concurrent: {rows[f'tokens_per_s_c{c}']}", flush=True)
+    if args.baseline_tree and not args.quick:
+        env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_tree).resolve())}
+        run = subprocess.run(
+            [sys.executable, __file__, "--tokens-only"],
+            env=env, cwd=args.baseline_tree, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        line = next(x for x in run.stdout.splitlines() if x.startswith("BASELINE "))
+        base = json.loads(line.removeprefix("BASELINE "))
+        for c in (8, 32):
+            rows[f"tokens_per_s_c{c}"]["baseline-tree"] = base[f"c{c}"]
+        print(f"baseline tree {args.baseline_tree}: tok/s {base}", flush=True)
     p = prompts_of(128, 1, vocab, 7)[0]
     rows["gemm_share_b1"] = {name: gemm_share(e, p) for name, e in engines.items()}  # type: ignore[misc]
     print(f"GEMM share of a batch-1 step: {rows['gemm_share_b1']}", flush=True)

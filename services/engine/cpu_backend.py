@@ -4,7 +4,8 @@ A batch-1 decode step of a small model is hundreds of tiny torch ops (about 55 a
 on CPU each costs a few microseconds of dispatch: for SmolLM2 that was about a third of the
 step. Here each op is one C call (``cpu_kernels/kernels.c``), the same arithmetic in the same
 order as the torch reference (``layer_ops.TorchOps``; -ffp-contract=off), in fp32. Prefill and
-mixed steps keep the torch reference attention (SDPA's kernel is the fast one there).
+mixed steps with a span longer than SHORT_SPAN keep the torch reference attention (SDPA's
+kernel is the fast one there).
 """
 
 from __future__ import annotations
@@ -26,23 +27,45 @@ def _lib():
     return lib
 
 
+SHORT_SPAN = 8  # spans up to this long attend token by token through the decode kernel
+
+
+def token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token of the step as a decode row: (its sequence's block-table row, its own
+    context length = position + 1), [num_tokens, width] and [num_tokens] int32. The step's
+    keys and values are all written before attention, so for a span of several tokens this
+    is exactly causal attention, computed as its tokens would be computed one step at a time."""
+    if meta.is_pure_decode:
+        return meta.block_tables, meta.seq_lens
+    lens = torch.tensor(
+        [c - n + j + 1 for c, n in zip(meta.context_lens, meta.query_lens) for j in range(n)],
+        dtype=torch.int32,
+    )
+    seq = torch.repeat_interleave(torch.arange(meta.num_seqs), torch.tensor(meta.query_lens))
+    return meta.block_tables[seq].contiguous(), lens
+
+
 class CpuAttention:
+    """Decode kernel for steps made of short spans (decodes, speculative verifications);
+    the torch reference (SDPA, fastest for long prompts) for steps with a longer span."""
+
     def __init__(self) -> None:
         self.lib = _lib()
         self.reference = TorchAttention()
         self._scores = torch.empty(0)
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        if meta.is_pure_decode:
-            meta.plan = None
+        if max(meta.query_lens) <= SHORT_SPAN:
+            meta.plan = token_rows(meta)
         else:
             self.reference.prepare(meta)
 
     def forward(
         self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if not meta.is_pure_decode:
+        if not isinstance(meta.plan, tuple):
             return self.reference.forward(q, cache, layer, meta)
+        tables, lens = meta.plan
         kc, vc = cache.k[layer], cache.v[layer]  # [kv_heads, blocks, block_size, row]
         b, heads, dim = q.shape
         need = heads // kc.shape[0] * meta.max_seq_len  # scores of one kv head's query group
@@ -50,7 +73,6 @@ class CpuAttention:
             self._scores = torch.empty(max(need, 4096))
         q = q.contiguous()
         out = torch.empty_like(q)
-        tables = meta.block_tables
         kernel = (
             self.lib.pdserve_decode_attention_q8
             if cache.quantized
@@ -58,7 +80,7 @@ class CpuAttention:
         )
         kernel(
             q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1] * kc.shape[2],
-            tables.data_ptr(), tables.stride(0), meta.seq_lens.data_ptr(), b, heads,
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), b, heads,
             kc.shape[0], dim, meta.block_size, meta.sliding_window or 0, dim**-0.5,
             out.data_ptr(), self._scores.data_ptr(),
         )  # fmt: skip

@@ -4,12 +4,14 @@ A batch-1 decode step of SmolLM2-135M computes in about 12 ms, but run op by op 
 (about ten C calls and a few tensor allocations per layer, 30 layers) it spent another 4-5 ms
 on dispatch: over a quarter of the step. ``FusedDecode`` describes the model once, at engine
 start, as C structs of pointers to its weights and KV cache (``pdserve_decode_step`` in
-``cpu_kernels/kernels.c``), and runs every layer of a pure decode step of up to ``MAX_BATCH``
-sequences in one call; the embedding lookup before it and the lm_head and sampling after it
-stay as they are.
+``cpu_kernels/kernels.c``), and runs every layer of a step of up to ``MAX_BATCH`` tokens
+(a decode batch, a speculative verification, a short prompt) in one call; the embedding
+lookup before it and the lm_head and sampling after it stay as they are.
 
-Invariant: the same kernels in the model's op order (``LlamaModel.forward`` with the ``cpu``
-backend), so its logits equal the per-op path's bit for bit (tested).
+Invariants: the same kernels in the model's op order (``LlamaModel.forward`` with the ``cpu``
+backend), so for a pure decode step its logits equal the per-op path's bit for bit (tested);
+and every token is computed by the same row arithmetic whatever else is in the step, so
+prompt-lookup speculation gives bit-identical tokens and log-probabilities (tested).
 It applies when the engine runs the ``cpu`` backend in fp32 and every layer linear is a
 ``QuantLinear`` (a GGUF kept quantized, or ``quantization: int8 | int4``); otherwise the
 engine keeps the per-op path.
@@ -22,6 +24,7 @@ import ctypes
 import torch
 
 from services.engine.attention import AttentionMetadata
+from services.engine.cpu_backend import token_rows
 from services.engine.cpu_kernels import library
 from services.engine.kv_cache import KVCache
 from services.engine.model import LlamaModel
@@ -162,20 +165,26 @@ class FusedDecode:
         self._scores = torch.empty(max(max_model_len, 1) * group)
 
     def fits(self, meta: AttentionMetadata) -> bool:
-        return meta.is_pure_decode and meta.num_seqs <= MAX_BATCH
+        return sum(meta.query_lens) <= MAX_BATCH
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """The final norm's output [batch, hidden] for a pure decode step (``fits``)."""
+        """The final norm's output [tokens, hidden] for a step of at most ``MAX_BATCH`` tokens.
+
+        Every token is one row of the C step, attending as a decode query over its own
+        sequence's positions up to and including itself (seq_len = position + 1, its
+        sequence's block table): for a span of several tokens (a speculative verification, a
+        short prompt) that is exactly causal attention, since the step writes every row's
+        keys and values before any row attends. So a token's arithmetic is the same whether
+        it is decoded alone, in a batch, or verified as a draft."""
         x = self.model.embed[input_ids].float().contiguous()
         out = torch.empty_like(x)
-        tables = meta.block_tables
-        assert tables.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
+        tables, lens = token_rows(meta)
+        assert tables.dtype == torch.int32 and lens.dtype == torch.int32
         self.lib.pdserve_decode_step(
             ctypes.byref(self._model), x.shape[0], x.data_ptr(), positions.data_ptr(),
             meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
-            meta.seq_lens.data_ptr(), self._work.data_ptr(), self._scores.data_ptr(),
-            out.data_ptr(),
+            lens.data_ptr(), self._work.data_ptr(), self._scores.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         return out

@@ -51,7 +51,8 @@ def test_fused_decode_equals_the_per_op_path(make_engine, model, extra, batch):
 
     fused.runner.fused.run = counted  # type: ignore[method-assign]
     rng = random.Random(batch)
-    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(1, 30))] for _ in range(batch)]
+    # >= 9 tokens: the prefill steps take the per-op path (SDPA), the decode steps the fused
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(9, 30))] for _ in range(batch)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
     got, want = _run(fused, prompts, params), _run(per_op, prompts, params)
     assert got == want  # tokens and log-probabilities, exactly
@@ -65,3 +66,32 @@ def test_it_applies_only_to_quantized_fp32_cpu_engines(make_engine):
     assert make_engine(quantization="none").runner.fused is None  # dense linears
     assert make_engine(quantization="int8", attention_backend="torch").runner.fused is None
     assert make_engine(quantization="int8").runner.fused is not None
+
+
+def test_speculation_through_the_fused_step_is_bit_lossless(make_engine, monkeypatch):
+    """Verification steps (a few tokens per sequence) run fused, each token with the
+    arithmetic of a plain decode step: identical tokens and log-probabilities, exactly."""
+    from services.engine import scheduler as scheduler_module
+    from tests.engine.test_speculative import _oracle
+
+    cfg = dict(quantization="int4", attention_backend="cpu", num_kv_blocks=256)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (9, 17)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)
+    want = _run(make_engine(**cfg), prompts, params)
+    spec = make_engine(speculative_tokens=3, **cfg)
+    reference = {tuple(p): want[0][f"r{i}"] for i, p in enumerate(prompts)}
+    monkeypatch.setattr(scheduler_module, "propose", _oracle(reference, 3))
+    fused = spec.runner.fused
+    widths: list[int] = []
+    run = fused.run
+
+    def seen(ids, positions, meta):
+        widths.append(max(meta.query_lens))
+        return run(ids, positions, meta)
+
+    fused.run = seen  # type: ignore[method-assign]
+    assert _run(spec, prompts, params) == want
+    assert max(widths) > 1  # verification steps went through the fused path
+    st = spec.stats()
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens

@@ -6,20 +6,22 @@
  *       as GGUF Q4_0 / Q4_1 store them), value = d * q + m, q in [0, 15]  (exact for Q4_0,
  *       Q4_1 and Q4_K, whose per-32 scales and mins are products of their fields);
  *   q8: 32 signed bytes per group, value = d * q  (exact for Q8_0).
- * Batches (M > 1): activations stay fp32, the weights are widened to fp32 in registers and
- * multiplied exactly, so results equal an fp32 product over the dequantized weights up to
- * summation order.
- * One row (M == 1, every batch-1 decode step): the activation row is first rounded to int16 in
- * groups of 32 (scale = max|x| / 32767, the rounding error at most 2^-16 of the group's
- * largest value), and each group's dot product runs in integers (vpmaddwd: 16-bit pairs into
- * 32-bit sums, exact), scaled once per group: about 1.4x faster than widening every weight
- * to fp32 on AVX2, and far inside the weights' own 4/8-bit error (quality: BENCHMARKS.md).
+ * With AVX2 each activation row is first rounded to int16 in groups of 32 (scale = max|x| /
+ * 32767: the rounding error is at most 2^-16 of the group's largest value), and each group's
+ * dot product runs in integers (vpmaddwd: 16-bit pairs into exact 32-bit sums), scaled once
+ * per group: about 1.4x faster than widening every weight to fp32, and far inside the
+ * weights' own 4/8-bit error (quality: BENCHMARKS.md). Every (row, output) pair takes the
+ * same operations in the same order whatever M, so a row's result does not depend on the
+ * batch around it: a request decoded alone, in a batch of up to MAX_ROWS, or as one of the
+ * rows of a speculative verification step gets bit-identical logits.
+ * Without AVX2 the portable path widens the weights to fp32 (exact up to summation order).
  * (int8-rounded activations, as llama.cpp's dot products use, were measured visibly worse
  * on SmolLM2-135M.) Every function takes row-major, contiguous buffers; K is a multiple of
  * 32; M <= MAX_ROWS.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -27,7 +29,7 @@
 #define QK 32
 #define MAX_ROWS 8 /* rows of x per pass over the weights (callers split larger batches) */
 
-int pdserve_kernels_abi(void) { return 7; }
+int pdserve_kernels_abi(void) { return 8; }
 
 int pdserve_kernels_simd(void) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -45,14 +47,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* sum over 32 of w[j] * x[j], two independent chains for latency */
-static inline __m256 dot32(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float *x) {
-    __m256 s0 = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
-    __m256 s1 = _mm256_mul_ps(w1, _mm256_loadu_ps(x + 8));
-    s0 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), s0);
-    s1 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), s1);
-    return _mm256_add_ps(s0, s1);
-}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -83,6 +77,93 @@ static inline __m256i dot_q8_i16(const int8_t *q, __m256i xlo, __m256i xhi) {
     const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
     return _mm256_add_epi32(_mm256_madd_epi16(lo, xlo), _mm256_madd_epi16(hi, xhi));
 }
+
+/* Rows n0..N of y [M, N] from int16 rows xq [M, K] (scales sx [M, G], sums xsum [M, G]):
+ * per (m, n) the same operations in the same order whatever M, so a row's result does not
+ * depend on the batch it is in (up to MAX_ROWS rows) */
+static inline __attribute__((always_inline)) void
+q4_rows_i16_m(const int16_t *restrict xq, const float *restrict sx, const float *restrict xsum,
+              const int M, int K, const uint8_t *restrict qs, const float *restrict d,
+              const float *restrict mn, int n0, int N, float *restrict y) {
+    const int G = K / QK;
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int n = n0; n < N; n++) {
+        const uint8_t *q = qs + (int64_t)n * (K / 2);
+        const float *dn = d + (int64_t)n * G, *mnn = mn + (int64_t)n * G;
+        __m256 acc[MAX_ROWS];
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(q + g * 16));
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
+            const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+            const __m256 dg = _mm256_broadcast_ss(dn + g);
+            for (int m = 0; m < M; m++) {
+                const int16_t *xg = xq + (int64_t)m * K + g * QK;
+                const __m256i p = _mm256_add_epi32(
+                    _mm256_madd_epi16(lo, _mm256_load_si256((const __m256i *)xg)),
+                    _mm256_madd_epi16(hi, _mm256_load_si256((const __m256i *)(xg + 16))));
+                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sx + m * G + g)), dg, acc[m]);
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            float t = 0.f;
+            for (int g = 0; g < G; g++) t += mnn[g] * xsum[m * G + g];
+            y[(int64_t)m * N + n] = hsum(acc[m]) + t;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void
+q8_rows_i16_m(const int16_t *restrict xq, const float *restrict sx, const int M, int K,
+              const int8_t *restrict qs, const float *restrict d, int n0, int N,
+              float *restrict y) {
+    const int G = K / QK;
+    for (int n = n0; n < N; n++) {
+        const int8_t *q = qs + (int64_t)n * K;
+        const float *dn = d + (int64_t)n * G;
+        __m256 acc[MAX_ROWS];
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * QK)));
+            const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * QK + 16)));
+            const __m256 dg = _mm256_broadcast_ss(dn + g);
+            for (int m = 0; m < M; m++) {
+                const int16_t *xg = xq + (int64_t)m * K + g * QK;
+                const __m256i p = _mm256_add_epi32(
+                    _mm256_madd_epi16(lo, _mm256_load_si256((const __m256i *)xg)),
+                    _mm256_madd_epi16(hi, _mm256_load_si256((const __m256i *)(xg + 16))));
+                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sx + m * G + g)), dg, acc[m]);
+            }
+        }
+        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum(acc[m]);
+    }
+}
+
+/* M as a compile-time constant: the per-row accumulators stay in registers (a runtime M
+ * spilled them: two rows took 2.2x the time of one) */
+#define PD_ROWS_CASES(CALL) \
+    switch (M) { \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
+    case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; \
+    case 7: CALL(7); break; default: CALL(8); break; \
+    }
+
+static void q4_rows_i16(const int16_t *restrict xq, const float *restrict sx,
+                        const float *restrict xsum, int M, int K, const uint8_t *restrict qs,
+                        const float *restrict d, const float *restrict mn, int n0, int N,
+                        float *restrict y) {
+#define PD_Q4(m) q4_rows_i16_m(xq, sx, xsum, m, K, qs, d, mn, n0, N, y)
+    PD_ROWS_CASES(PD_Q4)
+#undef PD_Q4
+}
+
+static void q8_rows_i16(const int16_t *restrict xq, const float *restrict sx, int M, int K,
+                        const int8_t *restrict qs, const float *restrict d, int n0, int N,
+                        float *restrict y) {
+#define PD_Q8(m) q8_rows_i16_m(xq, sx, m, K, qs, d, n0, N, y)
+    PD_ROWS_CASES(PD_Q8)
+#undef PD_Q8
+}
 #endif
 
 /* y[m, n] = sum over groups g of d[n,g] <q4[n,g], x[m,g]> + mn[n,g] * sum(x[m,g]) */
@@ -99,7 +180,7 @@ void pdserve_q4_gemm(const float *restrict x, int M, int K, const uint8_t *restr
         }
     int n0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (M == 1) { /* decode: int16 activations; two output rows per pass share each x load */
+    if (M == 1) { /* two output rows per pass share each x load (the same arithmetic per row) */
         int16_t xq[16384] __attribute__((aligned(32)));
         float sx[512];
         quantize_i16(x, K, xq, sx);
@@ -122,32 +203,22 @@ void pdserve_q4_gemm(const float *restrict x, int M, int K, const uint8_t *restr
             y[n0] = hsum(a) + ta;
             y[n0 + 1] = hsum(b) + tb;
         }
+        if (n0 < N) q4_rows_i16(xq, sx, xsum, 1, K, qs, d, mn, n0, N, y);
+        return;
+    }
+    {
+        int16_t *xq = aligned_alloc(32, (size_t)M * K * sizeof(int16_t));
+        float sx[MAX_ROWS * 512];
+        for (int m = 0; m < M; m++) quantize_i16(x + (int64_t)m * K, K, xq + (int64_t)m * K, sx + m * G);
+        q4_rows_i16(xq, sx, xsum, M, K, qs, d, mn, 0, N, y);
+        free(xq);
+        return;
     }
 #endif
     for (int n = n0; n < N; n++) {
         const uint8_t *q = qs + (int64_t)n * (K / 2);
         const float *dn = d + (int64_t)n * G, *mnn = mn + (int64_t)n * G;
         float am[MAX_ROWS];
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m128i mask = _mm_set1_epi8(15);
-        __m256 acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) { acc[m] = _mm256_setzero_ps(); am[m] = 0.f; }
-        for (int g = 0; g < G; g++) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(q + g * 16));
-            const __m128i lo = _mm_and_si128(raw, mask);
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-            const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-            const __m256 dg = _mm256_set1_ps(dn[g]);
-            for (int m = 0; m < M; m++) {
-                acc[m] = _mm256_fmadd_ps(dg, dot32(w0, w1, w2, w3, x + (int64_t)m * K + g * QK), acc[m]);
-                am[m] += mnn[g] * xsum[m * G + g];
-            }
-        }
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum(acc[m]) + am[m];
-#else
         float acc[MAX_ROWS];
         for (int m = 0; m < M; m++) { acc[m] = 0.f; am[m] = 0.f; }
         for (int g = 0; g < G; g++) {
@@ -161,7 +232,6 @@ void pdserve_q4_gemm(const float *restrict x, int M, int K, const uint8_t *restr
             }
         }
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = acc[m] + am[m];
-#endif
     }
 }
 
@@ -171,7 +241,7 @@ void pdserve_q8_gemm(const float *restrict x, int M, int K, const int8_t *restri
     const int G = K / QK;
     int n0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (M == 1) { /* decode: int16 activations (see the top of this file) */
+    if (M == 1) { /* two output rows per pass share each x load (the same arithmetic per row) */
         int16_t xq[16384] __attribute__((aligned(32)));
         float sx[512];
         quantize_i16(x, K, xq, sx);
@@ -191,26 +261,21 @@ void pdserve_q8_gemm(const float *restrict x, int M, int K, const int8_t *restri
             y[n0] = hsum(a);
             y[n0 + 1] = hsum(b);
         }
+        if (n0 < N) q8_rows_i16(xq, sx, 1, K, qs, d, n0, N, y);
+        return;
+    }
+    {
+        int16_t *xq = aligned_alloc(32, (size_t)M * K * sizeof(int16_t));
+        float sx[MAX_ROWS * 512];
+        for (int m = 0; m < M; m++) quantize_i16(x + (int64_t)m * K, K, xq + (int64_t)m * K, sx + m * G);
+        q8_rows_i16(xq, sx, M, K, qs, d, 0, N, y);
+        free(xq);
+        return;
     }
 #endif
     for (int n = n0; n < N; n++) {
         const int8_t *q = qs + (int64_t)n * K;
         const float *dn = d + (int64_t)n * G;
-#if defined(__AVX2__) && defined(__FMA__)
-        __m256 acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (int g = 0; g < G; g++) {
-            const int8_t *qg = q + g * QK;
-            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)qg)));
-            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qg + 8))));
-            const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qg + 16))));
-            const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qg + 24))));
-            const __m256 dg = _mm256_set1_ps(dn[g]);
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm256_fmadd_ps(dg, dot32(w0, w1, w2, w3, x + (int64_t)m * K + g * QK), acc[m]);
-        }
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum(acc[m]);
-#else
         float acc[MAX_ROWS];
         for (int m = 0; m < M; m++) acc[m] = 0.f;
         for (int g = 0; g < G; g++) {
@@ -223,7 +288,6 @@ void pdserve_q8_gemm(const float *restrict x, int M, int K, const int8_t *restri
             }
         }
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = acc[m];
-#endif
     }
 }
 
