@@ -65,9 +65,11 @@ static void quantize_i16(const float *restrict x, int K, int16_t *restrict xq, f
 
 /* sum over one group of 32 of w * xq, w the 32 nibbles of raw (low = j, high = j + 16) */
 static inline __m256i dot_q4_i16(__m128i raw, __m256i xlo, __m256i xhi) {
-    const __m128i mask = _mm_set1_epi8(15);
-    const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
-    const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+    /* each byte widened to a 16-bit lane once: its low nibble is element j, its high nibble
+     * (the lane shifted right by 4; the upper byte is zero) element j + 16 */
+    const __m256i w = _mm256_cvtepu8_epi16(raw);
+    const __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(15));
+    const __m256i hi = _mm256_srli_epi16(w, 4);
     return _mm256_add_epi32(_mm256_madd_epi16(lo, xlo), _mm256_madd_epi16(hi, xhi));
 }
 
@@ -86,16 +88,16 @@ q4_rows_i16_m(const int16_t *restrict xq, const float *restrict sx, const float 
               const int M, int K, const uint8_t *restrict qs, const float *restrict d,
               const float *restrict mn, int n0, int N, float *restrict y) {
     const int G = K / QK;
-    const __m128i mask = _mm_set1_epi8(15);
+    const __m256i mask = _mm256_set1_epi16(15);
     for (int n = n0; n < N; n++) {
         const uint8_t *q = qs + (int64_t)n * (K / 2);
         const float *dn = d + (int64_t)n * G, *mnn = mn + (int64_t)n * G;
         __m256 acc[MAX_ROWS];
         for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
         for (int g = 0; g < G; g++) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(q + g * 16));
-            const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
-            const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + g * 16)));
+            const __m256i lo = _mm256_and_si256(w, mask);
+            const __m256i hi = _mm256_srli_epi16(w, 4);
             const __m256 dg = _mm256_broadcast_ss(dn + g);
             for (int m = 0; m < M; m++) {
                 const int16_t *xg = xq + (int64_t)m * K + g * QK;
