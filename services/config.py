@@ -177,6 +177,12 @@ class ServeConfig(BaseModel):
     retry_after_s: float = Field(
         1.0, gt=0, description="retry hint sent with an overload refusal (Retry-After)"
     )
+    max_request_bytes: int = Field(
+        2 << 20,
+        ge=1024,
+        description="largest request body (HTTP) or message (gRPC) accepted, checked before "
+        "it is read or parsed; larger ones get HTTP 413 / RESOURCE_EXHAUSTED",
+    )
     kv_transport: Literal["grpc", "shm", "gloo", "nccl"] = Field(
         "grpc",
         description="KV transport: grpc (streamed), shm (shared memory on one host, else "

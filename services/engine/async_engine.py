@@ -16,9 +16,10 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from services.engine.engine import Engine, EngineStats
+from services.engine.errors import RequestFailedError
 from services.engine.kv_handle import KVHandle
 from services.engine.kv_stream import KVSink
-from services.engine.request import RequestOutput
+from services.engine.request import FinishReason, RequestOutput
 from services.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,16 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
 
+        # NOTE: a cancel can arrive while ``add`` waits for the engine lock (held for a whole
+        # step). ``gate`` orders the two: the add skips a request already cancelled, and a
+        # cancel that finds it added takes it back out (on a thread: the abort needs the lock).
+        gate = threading.Lock()
+        state = {"cancelled": False, "added": False}
+
         def add() -> None:
-            with self._wake:
+            with self._wake, gate:
+                if state["cancelled"]:
+                    return
                 self.engine.add_request(
                     request_id,
                     prompt_ids,
@@ -72,9 +81,18 @@ class AsyncEngine:
                     kv_sink=kv_sink,
                 )
                 self._streams[request_id] = (loop, queue)
+                state["added"] = True
                 self._wake.notify()
 
-        await asyncio.to_thread(add)
+        try:
+            await asyncio.to_thread(add)
+        except asyncio.CancelledError:
+            with gate:
+                state["cancelled"] = True
+                added = state["added"]
+            if added:
+                threading.Thread(target=self.abort, args=(request_id,), daemon=True).start()
+            raise
         finished = False
         try:
             while not finished:
@@ -138,7 +156,10 @@ class AsyncEngine:
                         continue
                     if out.finished:
                         del self._streams[out.request_id]
-                    deliveries.append((stream, out))
+                    if out.finish_reason is FinishReason.ERROR:  # its consumer raises
+                        deliveries.append((stream, RequestFailedError(out.error or "failed")))
+                    else:
+                        deliveries.append((stream, out))
             for (loop, queue), out in deliveries:
                 loop.call_soon_threadsafe(queue.put_nowait, out)
 

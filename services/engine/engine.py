@@ -360,12 +360,14 @@ class Engine:
         # one row per sampled position; a speculative span samples each draft position too,
         # with the seed of the output index it would have without speculation (lossless)
         rows = [(s, j) for s, n in sampling for j in range(n)]
-        tokens, logprobs = sample(
+        sampled = sample(
             logits,
             [s.request.params for s, _ in rows],
             [s.request.seed for s, _ in rows],
             [s.request.num_tokens - s.request.num_prompt + j for s, j in rows],
         )
+        tokens, logprobs = sampled.tokens, sampled.logprobs
+        failed = {id(rows[r][0]): why for r, why in sampled.errors.items()}
         emitted = self._verify(sampling, tokens)
         bs = self.config.block_size
         for s in sched.spans:
@@ -379,6 +381,12 @@ class Engine:
         now = time.perf_counter()
         row = 0
         for s, n in sampling:
+            if id(s) in failed:  # fails alone: its blocks are freed, its batch goes on
+                s.request.error = failed[id(s)]
+                self._finish(s.request, FinishReason.ERROR)
+                row += n
+                outputs.append(self._output(s.request))
+                continue
             for j, token in enumerate(emitted[id(s)]):
                 lp = None if logprobs is None else logprobs[row + j]
                 self._append_token(s.request, token, lp, now)
@@ -629,5 +637,6 @@ class Engine:
             queue_s=t.queue_s,
             prefill_s=t.prefill_s,
             ttft_s=t.ttft_s,
+            error=req.error,
             itls=list(t.itls) if req.finished else None,
         )

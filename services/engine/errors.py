@@ -40,3 +40,8 @@ class LayoutMismatchError(EngineError):
 
 class UnknownRequestError(EngineError, KeyError):
     """An operation named a request id the engine does not hold (HTTP 404 / NOT_FOUND)."""
+
+
+class RequestFailedError(EngineError):
+    """One request failed inside the engine (its sampling raised); the rest of its batch went
+    on. Never retried: the same inputs fail the same way."""

@@ -25,6 +25,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
     PREFILLED = "prefilled"  # prefill-only: first token sampled, KV ready for handoff
+    ERROR = "error"  # failed alone (RequestOutput.error says why); never a success
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class Request:
     kv_sink: KVSink | None = None  # layer-wise streaming of a prefill-only request's KV
     stream_next: int = 0  # positions [0, stream_next) of every layer are in the sink
     kv_unwanted: bool = False  # prefill-only: free instead of holding when the prefill ends
+    error: str | None = None  # why it ended with FinishReason.ERROR
     status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -117,3 +119,4 @@ class RequestOutput:
     prefill_s: float | None
     ttft_s: float | None
     itls: list[float] | None  # all gaps, on the final update only
+    error: str | None = None  # with FinishReason.ERROR: what failed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -19,24 +20,37 @@ def position_seed(seed: int, index: int) -> int:
     return x & _MASK
 
 
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    tokens: list[int]  # per row (a failed row keeps its argmax, which nobody uses)
+    logprobs: list[float] | None  # per row, when any row asked
+    errors: dict[int, str]  # row -> why its sampling failed
+
+
 def sample(
     logits: torch.Tensor,  # [num_seqs, vocab], fp32
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
     indices: Sequence[int],  # output index each row samples
-) -> tuple[list[int], list[float] | None]:
-    """Returns the chosen token per row and, if any row asked, the log-probability of each
-    chosen token under the model's unmodified distribution (before temperature and filters)."""
+) -> Sampled:
+    """The chosen token per row and, if any row asked, the log-probability of each chosen
+    token under the model's unmodified distribution (before temperature and filters).
+    Invariant: a row whose sampling raises (non-finite probabilities) fails alone, in
+    ``errors``; the other rows are sampled as if it were not there."""
     chosen = logits.argmax(dim=-1).tolist()
+    errors: dict[int, str] = {}
     for row, p in enumerate(params):
         if p.greedy:
             continue
-        chosen[row] = _sample_row(logits[row], p, position_seed(seeds[row], indices[row]))
+        try:
+            chosen[row] = _sample_row(logits[row], p, position_seed(seeds[row], indices[row]))
+        except RuntimeError as e:  # torch.multinomial: inf / nan / negative probabilities
+            errors[row] = f"sampling failed: {e}"
     logprobs = None
     if any(p.logprobs for p in params):
         lp = torch.log_softmax(logits, dim=-1)
         logprobs = lp[torch.arange(len(chosen)), torch.tensor(chosen)].tolist()
-    return chosen, logprobs
+    return Sampled(chosen, logprobs, errors)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int) -> int:

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -211,6 +211,12 @@ class Gateway:
             raise LookupError(
                 f"model {model!r} does not exist; this server serves {self.model_id!r}"
             )
+
+    async def tokenized(self, fn: Callable[..., list[int]], *args: object) -> list[int]:
+        """``fn(*args)`` (a tokenizer call) on a worker thread, admitted like a request: a
+        long prompt never stalls the event loop, and under overload nothing is tokenized."""
+        with self.admission.slot():
+            return await asyncio.to_thread(fn, *args)
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -63,11 +63,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if model:
             self.gw.check_model(model)
 
-    def _chat_ids(self, chat: pb.ChatMessages) -> list[int]:
+    async def _chat_ids(self, chat: pb.ChatMessages) -> list[int]:
         if not chat.messages:
             raise InvalidRequestError("chat.messages", "must hold at least one message")
-        return self.gw.tokenizer.encode_chat(
-            [{"role": m.role, "content": m.content} for m in chat.messages]
+        return await self.gw.tokenized(
+            self.gw.tokenizer.encode_chat,
+            [{"role": m.role, "content": m.content} for m in chat.messages],
         )
 
     async def Generate(
@@ -78,9 +79,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self._check_model(request.model)
             which = request.WhichOneof("prompt")
             if which == "text":
-                ids = gw.prompt_ids(request.text)
+                ids = await gw.tokenized(gw.prompt_ids, request.text)
             elif which == "chat":
-                ids = self._chat_ids(request.chat)
+                ids = await self._chat_ids(request.chat)
             elif which == "token_ids":
                 ids = list(request.token_ids.ids)
             else:
@@ -137,10 +138,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             self._check_model(request.model)
             which = request.WhichOneof("input")
+            # NOTE: tokenizing is the whole cost of this RPC: admitted like a generation
             if which == "text":
-                ids = self.gw.prompt_ids(request.text)
+                ids = await self.gw.tokenized(self.gw.prompt_ids, request.text)
             elif which == "chat":
-                ids = self._chat_ids(request.chat)
+                ids = await self._chat_ids(request.chat)
             else:
                 raise InvalidRequestError("input", "set one of text or chat")
         except Exception as e:
@@ -246,7 +248,12 @@ class _BearerToken(grpc.aio.ServerInterceptor):
 async def start_grpc_server(gw: Gateway, host: str, port: int) -> grpc.aio.Server:
     """Serve the API, health and reflection on ``host:port`` on the running event loop."""
     interceptors = [_BearerToken(gw)] if gw.auth.enabled else []
-    server = grpc.aio.server(interceptors=interceptors)
+    # NOTE: the size cap is enforced by gRPC before a message is parsed (RESOURCE_EXHAUSTED)
+    limit = gw.cfg.max_request_bytes
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", limit)],
+    )
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -14,10 +15,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 
-from services.engine.errors import InvalidRequestError
+from services.engine.errors import InvalidRequestError, RequestFailedError
 from services.gateway.admission import OverloadedError
+from services.gateway.body import PayloadTooLargeError, check_size, decode
 from services.gateway.gateway import Gateway, ServiceUnavailableError, Timing
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, parse
+
+log = logging.getLogger(__name__)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -25,6 +29,7 @@ def error_body(status: int, message: str, param: str | None = None) -> JSONRespo
         400: "invalid_request_error",
         401: "authentication_error",
         404: "not_found_error",
+        413: "invalid_request_error",
         429: "overloaded_error",
         503: "service_unavailable",
     }.get(status, "internal_error")
@@ -67,6 +72,16 @@ def build_http_app(gw: Gateway) -> FastAPI:
         # NOTE: errors raised inside a replica arrive wrapped by Ray (a subclass of the cause)
         return error_body(400, str(e), getattr(e, "field", None))
 
+    @app.exception_handler(PayloadTooLargeError)
+    async def _too_large(_: Request, e: PayloadTooLargeError) -> JSONResponse:
+        gw.metrics.requests.labels("invalid").inc()
+        return error_body(413, str(e), e.field)
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, e: RequestFailedError) -> JSONResponse:
+        gw.metrics.requests.labels("error").inc()
+        return error_body(500, f"the request failed: {e}")
+
     @app.exception_handler(LookupError)
     async def _missing(_: Request, e: LookupError) -> JSONResponse:
         return error_body(404, str(e.args[0]) if e.args else "not found", "model")
@@ -84,10 +99,17 @@ def build_http_app(gw: Gateway) -> FastAPI:
         return r
 
     async def body_of(request: Request) -> Any:
-        try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequestError("body", f"malformed JSON: {e}") from None
+        """The decoded body (services.gateway.body): its size is bounded before it is read."""
+        limit = gw.cfg.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        check_size(int(declared) if declared.isdigit() else None, limit)
+        chunks, n = [], 0
+        async for chunk in request.stream():  # NOTE: a chunked body has no Content-Length
+            n += len(chunk)
+            if n > limit:
+                raise PayloadTooLargeError(None, limit)
+            chunks.append(chunk)
+        return decode(b"".join(chunks))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -119,7 +141,8 @@ def build_http_app(gw: Gateway) -> FastAPI:
         req = parse(CompletionRequest, await body_of(request))
         assert isinstance(req, CompletionRequest)
         gw.check_model(req.model)
-        spec = gw.spec(gw.prompt_ids(req.prompt), req.sampling_params(16, bool(req.logprobs)))
+        ids = await gw.tokenized(gw.prompt_ids, req.prompt)
+        spec = gw.spec(ids, req.sampling_params(16, bool(req.logprobs)))
         return await respond(spec, req.stream, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -127,7 +150,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
         req = parse(ChatCompletionRequest, await body_of(request))
         assert isinstance(req, ChatCompletionRequest)
         gw.check_model(req.model)
-        ids = gw.tokenizer.encode_chat([m.model_dump() for m in req.messages])
+        ids = await gw.tokenized(gw.tokenizer.encode_chat, [m.model_dump() for m in req.messages])
         default = req.max_completion_tokens or max(1, gw.max_model_len - len(ids))
         spec = gw.spec(ids, req.sampling_params(default, req.logprobs))
         return await respond(spec, req.stream, chat=True)
@@ -232,6 +255,11 @@ def build_http_app(gw: Gateway) -> FastAPI:
                 + json.dumps({"error": {"message": str(e), "type": kind, "code": code}})
                 + "\n\n"
             )
+        except Exception as e:  # whatever else ended it: an explicit error, never a success
+            log.exception("stream %s failed", rid)
+            gw.metrics.requests.labels("error").inc()
+            err = {"message": f"the request failed: {e}", "type": "internal_error", "code": 500}
+            yield "data: " + json.dumps({"error": err}) + "\n\n"
         finally:
             await it.aclose()
 

@@ -196,6 +196,8 @@ def test_openai_client_streams_chat(cluster):
         ({"prompt": [1, 999999]}, 400, "prompt"),
         ({"prompt": "hi", "top_p": 3}, 400, "top_p"),
         ({"prompt": "hi", "stop": 5}, 400, "stop"),
+        ({"prompt": "hi", "temperature": 1e-38}, 400, "temperature"),
+        ({"prompt": "hi", "stop": ["x"] * 40_000}, 400, "stop"),
     ],
 )
 def test_bad_input_gets_status_and_body_while_others_stream(cluster, body, status, param):
@@ -214,6 +216,26 @@ def test_bad_input_gets_status_and_body_while_others_stream(cluster, body, statu
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
     r = httpx.post(f"{BASE}/v1/completions", content=b"{not json", timeout=60)
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "param"),
+    [
+        (b'{"model": "M", "prompt": "a\\ud800"}', 400, "prompt"),  # a lone surrogate
+        (b'{"model": "M", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
+        (b'{"model": "M", "prompt": "hi", "top_p": Infinity}', 400, "top_p"),
+        (b"[" * 5000 + b"]" * 5000, 400, "body"),  # 5,000 levels deep
+        (b'{"model": "M", "prompt": "' + b"a" * (4 << 20) + b'"}', 413, "body"),  # 4 MB
+    ],
+)
+def test_malformed_bodies_get_4xx_naming_the_field(cluster, content, status, param):
+    content = content.replace(b'"M"', f'"{MODEL}"'.encode())
+    t = time.perf_counter()
+    r = httpx.post(f"{BASE}/v1/completions", content=content, timeout=60)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+    if status == 413:
+        assert time.perf_counter() - t < 2  # refused before tokenizing 4 MB (was 6.8 s)
 
 
 def test_failed_transfer_is_re_prefilled_then_503(cluster, smollm_engine):

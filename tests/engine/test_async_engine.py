@@ -4,6 +4,8 @@ thread's idle step picks up; a consumer that goes away frees its request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -72,5 +74,63 @@ def test_outputs_stream_in_order_and_a_consumer_that_leaves_frees_its_request(
         assert not eng.has_unfinished and eng.blocks.num_used_blocks == 0
         # the engine still serves, with the same greedy tokens
         assert asyncio.run(collect(ae, "c", greedy)) == whole
+    finally:
+        ae.stop()
+
+
+def test_a_cancel_while_waiting_for_the_engine_lock_never_runs_the_request(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """Regression: the ``await`` that adds a request sat outside the try/finally, so a cancel
+    that arrived while ``add`` waited for the engine lock (held for a whole step) left the
+    request running for nobody. Now the add, once it gets the lock, skips it."""
+    eng = make_engine()
+    ae = AsyncEngine(eng, stall_timeout_s=30.0)
+    added: list[str] = []
+    add = eng.add_request
+
+    def recording_add(rid, *args, **kwargs):  # type: ignore[no-untyped-def]
+        added.append(rid)
+        return add(rid, *args, **kwargs)
+
+    eng.add_request = recording_add  # type: ignore[method-assign]
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    entered, left = threading.Event(), threading.Event()  # an adder thread at / past the lock
+    real = ae._wake
+
+    class Signaling:
+        def __enter__(self) -> object:
+            if threading.current_thread().name != "engine-loop":
+                entered.set()
+            return real.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            real.__exit__(*exc)
+            if threading.current_thread().name != "engine-loop":
+                left.set()
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    ae._wake = Signaling()  # type: ignore[assignment]
+
+    async def cancel_while_locked() -> None:
+        ae.lock.acquire()  # a long step holds the engine lock
+        try:
+            task = asyncio.create_task(collect(ae, "r", long))
+            assert await asyncio.to_thread(entered.wait, 10)  # its add waits for the lock
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        finally:
+            ae.lock.release()
+
+    try:
+        asyncio.run(cancel_while_locked())
+        assert left.wait(10)  # the adder got the lock and returned
+        assert added == []  # it skipped the cancelled request
+        assert not eng.has_unfinished and eng.blocks.num_used_blocks == 0
+        # and the engine serves the next request
+        assert len(asyncio.run(collect(ae, "next", SamplingParams(max_tokens=3)))) == 3
     finally:
         ae.stop()

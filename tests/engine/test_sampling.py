@@ -56,8 +56,8 @@ def test_top_p_and_top_k_restrict_the_support():
     order = torch.argsort(probs, descending=True)
     nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
     for i in range(200):
-        (k,), _ = sample(logits, [SamplingParams(temperature=1.0, top_k=5)], [i], [0])
-        (p,), _ = sample(logits, [SamplingParams(temperature=1.0, top_p=0.5)], [i], [0])
+        (k,) = sample(logits, [SamplingParams(temperature=1.0, top_k=5)], [i], [0]).tokens
+        (p,) = sample(logits, [SamplingParams(temperature=1.0, top_p=0.5)], [i], [0]).tokens
         assert k in top5 and p in nucleus
 
 

@@ -30,6 +30,11 @@ OK = SamplingParams(max_tokens=4, temperature=0)
         ("stop", dict(stop=["ok", 3])),
         ("stop", dict(stop=[""])),
         ("stop_token_ids", dict(stop_token_ids="x")),
+        ("temperature", dict(temperature=1e-38)),  # logits / 1e-38 overflow: NaN probabilities
+        ("temperature", dict(temperature=float("inf"))),
+        ("stop", dict(stop=["x"] * 40_000)),  # each is checked after every token
+        ("stop", dict(stop=["y" * 10_000])),
+        ("stop_token_ids", dict(stop_token_ids=list(range(65)))),
     ],
 )
 def test_bad_sampling_params_name_the_field(field, kwargs):
@@ -176,3 +181,40 @@ def test_sharded_safetensors_folder(tiny_model_dir, tmp_path, make_engine):
     )
     eng = Engine(load_model(folder), None, EngineConfig(num_kv_blocks=64, block_size=4))
     assert eng.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0)) == ref
+
+
+def test_caps_and_the_smallest_temperature_are_accepted():
+    from services.engine.sampling_params import MAX_STOP, MAX_STOP_CHARS, MIN_TEMPERATURE
+
+    SamplingParams.create(temperature=MIN_TEMPERATURE, stop=["z" * MAX_STOP_CHARS] * MAX_STOP)
+
+
+def test_a_sampling_failure_fails_its_request_alone(make_engine, monkeypatch):
+    """Regression: a NaN distribution made torch.multinomial raise for the whole step, and
+    every request in the batch was aborted. Now the failing request ends with ERROR and the
+    others in its steps go on, with the tokens they would have had."""
+    from services.engine import sampler
+    from services.engine.request import FinishReason
+
+    real = sampler._sample_row
+
+    def fragile(logits, p, seed):  # type: ignore[no-untyped-def]
+        if p.top_k == 7:  # the marked request: its probabilities are NaN
+            return real(logits * float("nan"), p, seed)
+        return real(logits, p, seed)
+
+    monkeypatch.setattr(sampler, "_sample_row", fragile)
+    eng = make_engine()
+    alone = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    eng.add_request("bad", [9, 10, 11], SamplingParams(max_tokens=6, temperature=1.0, top_k=7))
+    eng.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    outs: dict[str, list] = {"bad": [], "ok": []}
+    while eng.has_unfinished:
+        for o in eng.step():
+            outs[o.request_id].append(o)
+    (bad,) = outs["bad"]
+    assert bad.finished and bad.finish_reason is FinishReason.ERROR
+    assert bad.error and "sampling failed" in bad.error and not bad.new_token_ids
+    assert [t for o in outs["ok"] for t in o.new_token_ids] == alone[0]
+    assert outs["ok"][-1].finish_reason is FinishReason.LENGTH
+    assert eng.blocks.num_used_blocks == 0
