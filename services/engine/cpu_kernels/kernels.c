@@ -63,55 +63,87 @@ static void quantize_i16(const float *restrict x, int K, int16_t *restrict xq, f
     }
 }
 
-/* sum over one group of 32 of w * xq, w the 32 nibbles of raw (low = j, high = j + 16) */
-static inline __m256i dot_q4_i16(__m128i raw, __m256i xlo, __m256i xhi) {
-    /* each byte widened to a 16-bit lane once: its low nibble is element j, its high nibble
-     * (the lane shifted right by 4; the upper byte is zero) element j + 16 */
-    const __m256i w = _mm256_cvtepu8_epi16(raw);
-    const __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(15));
-    const __m256i hi = _mm256_srli_epi16(w, 4);
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, xlo), _mm256_madd_epi16(hi, xhi));
+
+
+/* sum over groups of mn[g] * xsum[g] (q4's min term), 8 groups at a time: a scalar loop is
+ * one long chain of dependent adds (measured as much as a third of a row's time at K = 576) */
+static inline float dot_min(const float *restrict mn, const float *restrict xsum, int G) {
+    __m256 acc = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xsum + g), acc);
+    float t = hsum(acc);
+    for (; g < G; g++) t += mn[g] * xsum[g];
+    return t;
 }
 
-/* sum over one group of 32 of q * xq, q 32 signed bytes */
-static inline __m256i dot_q8_i16(const int8_t *q, __m256i xlo, __m256i xhi) {
-    const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
-    const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, xlo), _mm256_madd_epi16(hi, xhi));
+/* Row m's term of group g: d_g * sx[m, g] * <w_g, xq[m, g]>, the 32 weights of group g as
+ * 16-bit lanes lo (elements 0..15) and hi (16..31) */
+static inline __attribute__((always_inline)) __m256
+group_term(__m256i lo, __m256i hi, __m256 dg, const int16_t *restrict xq, const float *restrict sx,
+           int m, int K, int g) {
+    const int16_t *xg = xq + (int64_t)m * K + g * QK;
+    const __m256i p = _mm256_add_epi32(
+        _mm256_madd_epi16(lo, _mm256_load_si256((const __m256i *)xg)),
+        _mm256_madd_epi16(hi, _mm256_load_si256((const __m256i *)(xg + 16))));
+    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sx + m * (K / QK) + g));
+    return _mm256_mul_ps(v, dg);
 }
 
-/* Rows n0..N of y [M, N] from int16 rows xq [M, K] (scales sx [M, G], sums xsum [M, G]):
- * per (m, n) the same operations in the same order whatever M, so a row's result does not
- * depend on the batch it is in (up to MAX_ROWS rows) */
+/* The 32 weights of group g of a q4 row (q: its bytes) as 16-bit lanes; its scale broadcast */
+static inline __attribute__((always_inline)) void
+unpack_q4(const uint8_t *q, const float *dn, int g, __m256i *lo, __m256i *hi, __m256 *dg) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + g * 16)));
+    *lo = _mm256_and_si256(w, _mm256_set1_epi16(15));
+    *hi = _mm256_srli_epi16(w, 4);
+    *dg = _mm256_broadcast_ss(dn + g);
+}
+
+static inline __attribute__((always_inline)) void
+unpack_q8(const int8_t *q, const float *dn, int g, __m256i *lo, __m256i *hi, __m256 *dg) {
+    *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * QK)));
+    *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * QK + 16)));
+    *dg = _mm256_broadcast_ss(dn + g);
+}
+
+/* One output row n for every input row m: acc[m] = sum over groups of group_term, added two
+ * groups at a time (acc += (t_g + t_g+1)): one dependent add per two groups, so a single row
+ * is not bound by the latency of a chain of adds. Per (m, n) the same operations in the same
+ * order whatever M, so a row's result does not depend on the batch it is in. */
+#define PD_ROW_LOOP(UNPACK, Q, DN)                                                       \
+    do {                                                                                 \
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();                        \
+        int g = 0;                                                                       \
+        for (; g + 2 <= G; g += 2) {                                                     \
+            __m256i lo0, hi0, lo1, hi1;                                                  \
+            __m256 d0, d1;                                                               \
+            UNPACK(Q, DN, g, &lo0, &hi0, &d0);                                           \
+            UNPACK(Q, DN, g + 1, &lo1, &hi1, &d1);                                       \
+            for (int m = 0; m < M; m++)                                                  \
+                acc[m] = _mm256_add_ps(acc[m], _mm256_add_ps(                            \
+                    group_term(lo0, hi0, d0, xq, sx, m, K, g),                           \
+                    group_term(lo1, hi1, d1, xq, sx, m, K, g + 1)));                     \
+        }                                                                                \
+        if (g < G) {                                                                     \
+            __m256i lo, hi;                                                              \
+            __m256 dg;                                                                   \
+            UNPACK(Q, DN, g, &lo, &hi, &dg);                                             \
+            for (int m = 0; m < M; m++)                                                  \
+                acc[m] = _mm256_add_ps(acc[m], group_term(lo, hi, dg, xq, sx, m, K, g)); \
+        }                                                                                \
+    } while (0)
+
+/* Rows n0..N of y [M, N] from int16 rows xq [M, K] (scales sx [M, G], sums xsum [M, G]) */
 static inline __attribute__((always_inline)) void
 q4_rows_i16_m(const int16_t *restrict xq, const float *restrict sx, const float *restrict xsum,
               const int M, int K, const uint8_t *restrict qs, const float *restrict d,
               const float *restrict mn, int n0, int N, float *restrict y) {
     const int G = K / QK;
-    const __m256i mask = _mm256_set1_epi16(15);
     for (int n = n0; n < N; n++) {
         const uint8_t *q = qs + (int64_t)n * (K / 2);
         const float *dn = d + (int64_t)n * G, *mnn = mn + (int64_t)n * G;
         __m256 acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (int g = 0; g < G; g++) {
-            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + g * 16)));
-            const __m256i lo = _mm256_and_si256(w, mask);
-            const __m256i hi = _mm256_srli_epi16(w, 4);
-            const __m256 dg = _mm256_broadcast_ss(dn + g);
-            for (int m = 0; m < M; m++) {
-                const int16_t *xg = xq + (int64_t)m * K + g * QK;
-                const __m256i p = _mm256_add_epi32(
-                    _mm256_madd_epi16(lo, _mm256_load_si256((const __m256i *)xg)),
-                    _mm256_madd_epi16(hi, _mm256_load_si256((const __m256i *)(xg + 16))));
-                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sx + m * G + g)), dg, acc[m]);
-            }
-        }
-        for (int m = 0; m < M; m++) {
-            float t = 0.f;
-            for (int g = 0; g < G; g++) t += mnn[g] * xsum[m * G + g];
-            y[(int64_t)m * N + n] = hsum(acc[m]) + t;
-        }
+        PD_ROW_LOOP(unpack_q4, q, dn);
+        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum(acc[m]) + dot_min(mnn, xsum + m * G, G);
     }
 }
 
@@ -124,19 +156,7 @@ q8_rows_i16_m(const int16_t *restrict xq, const float *restrict sx, const int M,
         const int8_t *q = qs + (int64_t)n * K;
         const float *dn = d + (int64_t)n * G;
         __m256 acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (int g = 0; g < G; g++) {
-            const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * QK)));
-            const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * QK + 16)));
-            const __m256 dg = _mm256_broadcast_ss(dn + g);
-            for (int m = 0; m < M; m++) {
-                const int16_t *xg = xq + (int64_t)m * K + g * QK;
-                const __m256i p = _mm256_add_epi32(
-                    _mm256_madd_epi16(lo, _mm256_load_si256((const __m256i *)xg)),
-                    _mm256_madd_epi16(hi, _mm256_load_si256((const __m256i *)(xg + 16))));
-                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sx + m * G + g)), dg, acc[m]);
-            }
-        }
+        PD_ROW_LOOP(unpack_q8, q, dn);
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum(acc[m]);
     }
 }
@@ -166,6 +186,46 @@ static void q8_rows_i16(const int16_t *restrict xq, const float *restrict sx, in
     PD_ROWS_CASES(PD_Q8)
 #undef PD_Q8
 }
+
+/* M == 1, two output rows per pass (they share each x load): the arithmetic of
+ * q4_rows_i16_m per (row, output) exactly, so results equal the batched path's */
+static void q4_one_row_pairs(const int16_t *restrict xq, const float *restrict sx,
+                             const float *restrict xsum, int K, const uint8_t *restrict qs,
+                             const float *restrict d, const float *restrict mn, int N,
+                             float *restrict y) {
+    const int G = K / QK;
+    int n = 0;
+    for (; n + 2 <= N; n += 2) {
+        const uint8_t *qa = qs + (int64_t)n * (K / 2), *qb = qa + K / 2;
+        const float *da = d + (int64_t)n * G, *db = da + G;
+        __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+        int g = 0;
+        for (; g + 2 <= G; g += 2) {
+            __m256i lo0, hi0, lo1, hi1;
+            __m256 d0, d1;
+            unpack_q4(qa, da, g, &lo0, &hi0, &d0);
+            unpack_q4(qa, da, g + 1, &lo1, &hi1, &d1);
+            a = _mm256_add_ps(a, _mm256_add_ps(group_term(lo0, hi0, d0, xq, sx, 0, K, g),
+                                               group_term(lo1, hi1, d1, xq, sx, 0, K, g + 1)));
+            unpack_q4(qb, db, g, &lo0, &hi0, &d0);
+            unpack_q4(qb, db, g + 1, &lo1, &hi1, &d1);
+            b = _mm256_add_ps(b, _mm256_add_ps(group_term(lo0, hi0, d0, xq, sx, 0, K, g),
+                                               group_term(lo1, hi1, d1, xq, sx, 0, K, g + 1)));
+        }
+        if (g < G) {
+            __m256i lo, hi;
+            __m256 dg;
+            unpack_q4(qa, da, g, &lo, &hi, &dg);
+            a = _mm256_add_ps(a, group_term(lo, hi, dg, xq, sx, 0, K, g));
+            unpack_q4(qb, db, g, &lo, &hi, &dg);
+            b = _mm256_add_ps(b, group_term(lo, hi, dg, xq, sx, 0, K, g));
+        }
+        const float *ma = mn + (int64_t)n * G;
+        y[n] = hsum(a) + dot_min(ma, xsum, G);
+        y[n + 1] = hsum(b) + dot_min(ma + G, xsum, G);
+    }
+    if (n < N) q4_rows_i16(xq, sx, xsum, 1, K, qs, d, mn, n, N, y);
+}
 #endif
 
 /* y[m, n] = sum over groups g of d[n,g] <q4[n,g], x[m,g]> + mn[n,g] * sum(x[m,g]) */
@@ -180,44 +240,20 @@ void pdserve_q4_gemm(const float *restrict x, int M, int K, const uint8_t *restr
             for (int j = 0; j < QK; j++) s += x[(int64_t)m * K + g * QK + j];
             xsum[m * G + g] = s;
         }
-    int n0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (M == 1) { /* two output rows per pass share each x load (the same arithmetic per row) */
-        int16_t xq[16384] __attribute__((aligned(32)));
-        float sx[512];
-        quantize_i16(x, K, xq, sx);
-        for (; n0 + 2 <= N; n0 += 2) {
-            const uint8_t *qa = qs + (int64_t)n0 * (K / 2), *qb = qa + K / 2;
-            const float *da = d + (int64_t)n0 * G, *db = da + G;
-            __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-            for (int g = 0; g < G; g++) {
-                const __m256i xlo = _mm256_load_si256((const __m256i *)(xq + g * QK));
-                const __m256i xhi = _mm256_load_si256((const __m256i *)(xq + g * QK + 16));
-                const __m256 s = _mm256_broadcast_ss(sx + g);
-                __m256i p = dot_q4_i16(_mm_loadu_si128((const __m128i *)(qa + g * 16)), xlo, xhi);
-                a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), s), _mm256_broadcast_ss(da + g), a);
-                p = dot_q4_i16(_mm_loadu_si128((const __m128i *)(qb + g * 16)), xlo, xhi);
-                b = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), s), _mm256_broadcast_ss(db + g), b);
-            }
-            const float *ma = mn + (int64_t)n0 * G, *mb = ma + G;
-            float ta = 0.f, tb = 0.f;
-            for (int g = 0; g < G; g++) { ta += ma[g] * xsum[g]; tb += mb[g] * xsum[g]; }
-            y[n0] = hsum(a) + ta;
-            y[n0 + 1] = hsum(b) + tb;
-        }
-        if (n0 < N) q4_rows_i16(xq, sx, xsum, 1, K, qs, d, mn, n0, N, y);
-        return;
-    }
     {
-        int16_t *xq = aligned_alloc(32, (size_t)M * K * sizeof(int16_t));
+        int16_t stack[16384] __attribute__((aligned(32)));
+        int16_t *xq = (int64_t)M * K <= 16384 ? stack : aligned_alloc(32, (size_t)M * K * sizeof(int16_t));
         float sx[MAX_ROWS * 512];
         for (int m = 0; m < M; m++) quantize_i16(x + (int64_t)m * K, K, xq + (int64_t)m * K, sx + m * G);
-        q4_rows_i16(xq, sx, xsum, M, K, qs, d, mn, 0, N, y);
-        free(xq);
-        return;
+        if (M == 1)
+            q4_one_row_pairs(xq, sx, xsum, K, qs, d, mn, N, y);
+        else
+            q4_rows_i16(xq, sx, xsum, M, K, qs, d, mn, 0, N, y);
+        if (xq != stack) free(xq);
     }
-#endif
-    for (int n = n0; n < N; n++) {
+#else
+    for (int n = 0; n < N; n++) {
         const uint8_t *q = qs + (int64_t)n * (K / 2);
         const float *dn = d + (int64_t)n * G, *mnn = mn + (int64_t)n * G;
         float am[MAX_ROWS];
@@ -235,47 +271,24 @@ void pdserve_q4_gemm(const float *restrict x, int M, int K, const uint8_t *restr
         }
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = acc[m] + am[m];
     }
+#endif
 }
 
 /* y[m, n] = sum over groups g of d[n,g] <q8[n,g], x[m,g]> */
 void pdserve_q8_gemm(const float *restrict x, int M, int K, const int8_t *restrict qs,
                      const float *restrict d, int N, float *restrict y) {
     const int G = K / QK;
-    int n0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (M == 1) { /* two output rows per pass share each x load (the same arithmetic per row) */
-        int16_t xq[16384] __attribute__((aligned(32)));
-        float sx[512];
-        quantize_i16(x, K, xq, sx);
-        for (; n0 + 2 <= N; n0 += 2) {
-            const int8_t *qa = qs + (int64_t)n0 * K, *qb = qa + K;
-            const float *da = d + (int64_t)n0 * G, *db = da + G;
-            __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-            for (int g = 0; g < G; g++) {
-                const __m256i xlo = _mm256_load_si256((const __m256i *)(xq + g * QK));
-                const __m256i xhi = _mm256_load_si256((const __m256i *)(xq + g * QK + 16));
-                const __m256 s = _mm256_broadcast_ss(sx + g);
-                __m256i p = dot_q8_i16(qa + g * QK, xlo, xhi);
-                a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), s), _mm256_broadcast_ss(da + g), a);
-                p = dot_q8_i16(qb + g * QK, xlo, xhi);
-                b = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), s), _mm256_broadcast_ss(db + g), b);
-            }
-            y[n0] = hsum(a);
-            y[n0 + 1] = hsum(b);
-        }
-        if (n0 < N) q8_rows_i16(xq, sx, 1, K, qs, d, n0, N, y);
-        return;
-    }
     {
-        int16_t *xq = aligned_alloc(32, (size_t)M * K * sizeof(int16_t));
+        int16_t stack[16384] __attribute__((aligned(32)));
+        int16_t *xq = (int64_t)M * K <= 16384 ? stack : aligned_alloc(32, (size_t)M * K * sizeof(int16_t));
         float sx[MAX_ROWS * 512];
         for (int m = 0; m < M; m++) quantize_i16(x + (int64_t)m * K, K, xq + (int64_t)m * K, sx + m * G);
         q8_rows_i16(xq, sx, M, K, qs, d, 0, N, y);
-        free(xq);
-        return;
+        if (xq != stack) free(xq);
     }
-#endif
-    for (int n = n0; n < N; n++) {
+#else
+    for (int n = 0; n < N; n++) {
         const int8_t *q = qs + (int64_t)n * K;
         const float *dn = d + (int64_t)n * G;
         float acc[MAX_ROWS];
@@ -291,6 +304,7 @@ void pdserve_q8_gemm(const float *restrict x, int M, int K, const int8_t *restri
         }
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = acc[m];
     }
+#endif
 }
 
 /* ---- the layer ops around the matmuls (fp32), for the "cpu" backend ---------------------
