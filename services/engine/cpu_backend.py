@@ -68,7 +68,8 @@ class CpuAttention:
         tables, lens = meta.plan
         kc, vc = cache.k[layer], cache.v[layer]  # [kv_heads, blocks, block_size, row]
         b, heads, dim = q.shape
-        need = heads // kc.shape[0] * meta.max_seq_len  # scores of one kv head's query group
+        # one kv head's query group's scores, then the context rows' offsets (int64)
+        need = (heads // kc.shape[0] + 2) * meta.max_seq_len + 2
         if self._scores.numel() < need:
             self._scores = torch.empty(max(need, 4096))
         q = q.contiguous()

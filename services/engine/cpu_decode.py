@@ -162,7 +162,7 @@ class FusedDecode:
         per_row = 4 * h + 3 * i + (3 * cfg.num_heads + 2 * cfg.num_kv_heads) * d
         self._work = torch.empty(MAX_BATCH * per_row)
         group = cfg.num_heads // cfg.num_kv_heads
-        self._scores = torch.empty(max(max_model_len, 1) * group)
+        self._scores = torch.empty(max(max_model_len, 1) * (group + 2) + 2)  # + row offsets
 
     def fits(self, meta: AttentionMetadata) -> bool:
         return sum(meta.query_lens) <= MAX_BATCH

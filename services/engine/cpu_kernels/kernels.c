@@ -454,19 +454,17 @@ static inline __m256 row8(const uint8_t *row, int c, int D, int q8) {
 }
 #endif
 
-/* One (sequence, kv head): the G query heads sharing it attend over positions [lo, L).
- * Each K and V row is read once for all G heads. qg [G, D]; out [G, D];
- * scores: G * (L - lo) floats. Rows: fp32 (q8 = 0) or int8 (q8 = 1), `row` bytes apart. */
+/* One (sequence, kv head): the G query heads sharing it attend over n positions whose rows
+ * start at byte offsets at[0..n) of kc / vc (computed once per sequence: the block-table
+ * division is not redone per head and pass). qg [G, D]; out [G, D]; scores: G * n floats.
+ * Rows: fp32 (q8 = 0) or int8 (q8 = 1). */
 static void attend_group(const float *restrict qg, int G, int D, const uint8_t *restrict kc,
-                         const uint8_t *restrict vc, int64_t row, int q8,
-                         const int32_t *restrict tab, int block_size, int lo, int L, float scale,
-                         float *restrict out, float *restrict scores) {
-    const int n = L - lo;
+                         const uint8_t *restrict vc, int q8, const int64_t *restrict at, int n,
+                         float scale, float *restrict out, float *restrict scores) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0 && G <= 16) {
         for (int j = 0; j < n; j++) {
-            const int p = lo + j;
-            const uint8_t *kr = kc + ((int64_t)tab[p / block_size] * block_size + p % block_size) * row;
+            const uint8_t *kr = kc + at[j];
             __m256 acc[16];
             for (int h = 0; h < G; h++) acc[h] = _mm256_setzero_ps();
             for (int c = 0; c < D; c += 8) {
@@ -501,8 +499,7 @@ static void attend_group(const float *restrict qg, int G, int D, const uint8_t *
                     __m256 acc[8];
                     for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
                     for (int j = 0; j < n; j++) {
-                        const int p = lo + j;
-                        const uint8_t *vr = vc + ((int64_t)tab[p / block_size] * block_size + p % block_size) * row;
+                        const uint8_t *vr = vc + at[j];
                         const __m256 w = _mm256_set1_ps(sc[j] * inv[h]);
                         for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(w, row8(vr, c0 + 8 * c, D, q8), acc[c]);
                     }
@@ -512,8 +509,7 @@ static void attend_group(const float *restrict qg, int G, int D, const uint8_t *
             return;
         }
         for (int j = 0; j < n; j++) {
-            const int p = lo + j;
-            const uint8_t *vr = vc + ((int64_t)tab[p / block_size] * block_size + p % block_size) * row;
+            const uint8_t *vr = vc + at[j];
             for (int c = 0; c < D; c += 8) {
                 const __m256 v = row8(vr, c, D, q8);
                 for (int h = 0; h < G; h++) {
@@ -531,8 +527,7 @@ static void attend_group(const float *restrict qg, int G, int D, const uint8_t *
         float *sc = scores + (int64_t)h * n, *o = out + (int64_t)h * D;
         float mx = -INFINITY;
         for (int j = 0; j < n; j++) {
-            const int p = lo + j;
-            const uint8_t *kr = kc + ((int64_t)tab[p / block_size] * block_size + p % block_size) * row;
+            const uint8_t *kr = kc + at[j];
             float dot = 0.f;
             for (int i = 0; i < D; i++) {
                 const float k = q8 ? (float)((const int8_t *)kr)[i] * ((const float *)(kr + D))[i / 32]
@@ -546,8 +541,7 @@ static void attend_group(const float *restrict qg, int G, int D, const uint8_t *
         for (int j = 0; j < n; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
         for (int i = 0; i < D; i++) o[i] = 0.f;
         for (int j = 0; j < n; j++) {
-            const int p = lo + j;
-            const uint8_t *vr = vc + ((int64_t)tab[p / block_size] * block_size + p % block_size) * row;
+            const uint8_t *vr = vc + at[j];
             const float w = sc[j] / sum;
             for (int i = 0; i < D; i++) {
                 const float v = q8 ? (float)((const int8_t *)vr)[i] * ((const float *)(vr + D))[i / 32]
@@ -568,18 +562,25 @@ static void decode_attention(const float *restrict q, const uint8_t *restrict k_
     for (int b = 0; b < B; b++) {
         const int L = seq_lens[b];
         const int lo = window > 0 && L > window ? L - window : 0;
+        const int n = L - lo;
+        /* the rows' byte offsets, after the scores (8-byte aligned) */
+        int64_t *at = (int64_t *)(scores + (((int64_t)G * n + 1) & ~(int64_t)1));
+        const int32_t *tab = tables + (int64_t)b * table_stride;
+        for (int j = 0; j < n; j++) {
+            const int p = lo + j;
+            at[j] = ((int64_t)tab[p / block_size] * block_size + p % block_size) * row;
+        }
         for (int g = 0; g < KVH; g++)
             attend_group(q + ((int64_t)b * H + g * G) * D, G, D,
                          k_cache + (int64_t)g * num_slots * row, v_cache + (int64_t)g * num_slots * row,
-                         row, q8, tables + (int64_t)b * table_stride, block_size, lo, L, scale,
-                         out + ((int64_t)b * H + g * G) * D, scores);
+                         q8, at, n, scale, out + ((int64_t)b * H + g * G) * D, scores);
     }
 }
 
 /* One query token per sequence: out [B, H, D] = softmax(q k^T * scale) v over each
  * sequence's context [0, seq_lens[b]) (and the last `window` positions when window > 0),
  * read through its block table; caches [KVH, num_slots, D] fp32. scores: scratch of
- * (H / KVH) * max_ctx floats. */
+ * (H / KVH + 2) * max_ctx + 2 floats (scores, then the rows' offsets). */
 void pdserve_decode_attention(const float *restrict q, const float *restrict k_cache,
                               const float *restrict v_cache, int64_t num_slots,
                               const int32_t *restrict tables, int table_stride,
@@ -640,7 +641,7 @@ static void pd_apply(const pd_linear *l, const float *x, int M, float *y) {
 
 /* x [B, hidden]: the tokens' embeddings (overwritten); out [B, hidden]: the final norm's
  * output, for the lm_head. work: (4 * hidden + 3 * inter + (3 * heads + 2 * kv_heads) *
- * head_dim) * B floats; scores: (heads / kv_heads) * max context floats. */
+ * head_dim) * B floats; scores: (heads / kv_heads + 2) * max context + 2 floats. */
 void pdserve_decode_step(const pd_model *m, int B, float *restrict x,
                          const int64_t *restrict positions, const int64_t *restrict slots,
                          const int32_t *restrict tables, int table_stride,
