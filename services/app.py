@@ -22,6 +22,16 @@ from services.prefix_index.server import IndexServer
 from services.router import PdRequestRouter
 
 
+def _shutdown_options(cfg: ServeConfig) -> dict[str, Any]:
+    """Replicas wait for their in-flight requests at most the grace period, checking often:
+    an idle replica stops at once (Ray's defaults, 20 s and 2 s, made an idle cluster take
+    over 30 s to exit)."""
+    return {
+        "graceful_shutdown_timeout_s": cfg.shutdown_grace_s,
+        "graceful_shutdown_wait_loop_s": 0.2,
+    }
+
+
 def _actor_options(pool: PoolConfig) -> dict[str, Any]:
     # NOTE: one torch/OMP thread per replica by default; placement by the pool's custom
     # resource (node resources in a real cluster, ray.init(resources=...) locally) plus GPUs.
@@ -85,6 +95,7 @@ def build_app(cfg: ServeConfig):  # -> serve Application
         max_ongoing_requests=cfg.decode.max_num_seqs,
         max_queued_requests=cfg.decode.max_queued_requests,
         request_router_config=router,
+        **_shutdown_options(cfg),
     ).bind(cfg, decode_role, index)
     if cfg.mode == "colocated":
         prefill = None
@@ -97,6 +108,7 @@ def build_app(cfg: ServeConfig):  # -> serve Application
             max_ongoing_requests=cfg.prefill.max_num_seqs,
             max_queued_requests=cfg.prefill.max_queued_requests,
             request_router_config=router,
+            **_shutdown_options(cfg),
         ).bind(cfg, index)
     gateway_options: dict[str, Any] = {"num_cpus": 0}
     if cfg.gateway_resource:
@@ -108,6 +120,7 @@ def build_app(cfg: ServeConfig):  # -> serve Application
         # NOTE: the gateway's own admission (max_inflight_requests) refuses overload with a
         # retry hint; Ray's limit sits above it so /health and /metrics still get through
         max_ongoing_requests=cfg.max_inflight_requests + 64,
+        **_shutdown_options(cfg),
     )
     return gateway.bind(prefill, decode, cfg, index)
 

@@ -217,6 +217,19 @@ class ServeConfig(BaseModel):
         60.0, gt=0, description="prefill keeps unclaimed KV this long, then frees it"
     )
     request_timeout_s: float = Field(600.0, gt=0, description="longest a request may run")
+    resume_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="after a replica dies mid-request, how long the gateway keeps resuming the "
+        "request elsewhere (replay from the same seed, with backoff) before it ends the stream "
+        "with an explicit error; 0 = never resume",
+    )
+    shutdown_grace_s: float = Field(
+        20.0,
+        ge=0,
+        description="on SIGTERM: how long in-flight requests may finish (new ones get 503 and "
+        "readiness fails meanwhile) before the cluster stops",
+    )
     ray_address: str | None = Field(None, description="join this Ray cluster; None = start one")
     routing: Literal["prefix_aware", "least_loaded"] = Field(
         "prefix_aware",

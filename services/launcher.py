@@ -1,5 +1,12 @@
 """``pdserve serve``: start (or join) a Ray cluster, deploy the app, print the endpoints, and
-stop cleanly on Ctrl-C / SIGTERM (only what this process started is stopped)."""
+stop cleanly on Ctrl-C / SIGTERM (only what this process started is stopped).
+
+Shutdown: a signal while the app still starts interrupts the start-up; a signal while it
+serves drains first: the gateway stops admitting (``/ready`` fails, new requests get 503) and
+in-flight requests get up to ``shutdown_grace_s`` to finish, then everything stops. Replicas
+are deployed with a short graceful-shutdown wait, so an idle cluster exits in seconds, inside
+Kubernetes' default 30 s grace period.
+"""
 
 from __future__ import annotations
 
@@ -50,11 +57,20 @@ def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int
         ray.init(resources=resources, include_dashboard=False)
         started_ray = True
     stop = threading.Event()
+    serving = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        if serving.is_set():
+            stop.set()  # drained below, on the main thread
+        else:
+            raise Interrupted  # out of serve.run: still starting, nothing to drain
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port})
-        serve.run(build_app(cfg), name="pdserve", route_prefix="/")
+        serve.run(build_app(cfg), name=APP, route_prefix="/")
+        serving.set()
         base = f"http://{cfg.http_host}:{cfg.http_port}"
         print(
             f"pdserve is serving {cfg.model or 'SmolLM2-135M-Instruct'} ({cfg.mode}; "
@@ -79,9 +95,42 @@ def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int
         if ready is not None:
             ready.set()
         stop.wait()
+        print("pdserve: draining", file=sys.stderr, flush=True)
+        drain(cfg.shutdown_grace_s)
         print("pdserve: stopping", file=sys.stderr, flush=True)
+    except Interrupted:
+        print("pdserve: interrupted while starting; stopping", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
         if started_ray:
             ray.shutdown()
+    return 0
+
+
+APP = "pdserve"
+
+
+class Interrupted(BaseException):
+    """A stop signal arrived while the app was still starting."""
+
+
+def drain(grace_s: float) -> int:
+    """Stop admitting at the gateway, then wait up to ``grace_s`` for its in-flight requests;
+    returns how many were still running when the wait ended."""
+    import time
+
+    from ray import serve
+
+    gateway = serve.get_deployment_handle("gateway", app_name=APP)
+    try:
+        gateway.drain.remote().result(timeout_s=10)
+        deadline = time.monotonic() + grace_s
+        while (left := gateway.inflight.remote().result(timeout_s=10)) > 0:
+            if time.monotonic() >= deadline:
+                print(f"pdserve: {left} requests still running at the grace deadline",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                return left
+            time.sleep(0.2)  # polling the gateway while the requests finish
+    except Exception as e:  # the gateway is gone already: nothing left to drain
+        print(f"pdserve: drain skipped ({e})", file=sys.stderr, flush=True)
     return 0

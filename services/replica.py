@@ -74,6 +74,9 @@ def serve_replica_id() -> Any:
         return None
 
 
+STALL_S = 60.0
+
+
 class EngineReplica:
     """Args: index: where this replica publishes its prefix cache (None: it does not)."""
 
@@ -113,6 +116,12 @@ class EngineReplica:
             # NOTE: set before any request runs; the hooks only append to a deque
             self.engine.call(lambda e: e.blocks.set_listeners(pub.on_cached, pub.on_evicted))
             self.publisher = pub
+
+    def check_health(self) -> None:
+        """Called by Ray Serve every few seconds: raising takes this replica out of rotation
+        and replaces it. Healthy = the engine loop runs and, with requests open, finished a
+        step within STALL_S (the longest step, a full prefill chunk on CPU, takes seconds)."""
+        self.engine.check_alive(STALL_S)
 
     def stats(self) -> EngineStats:
         return self.engine.call(Engine.stats)

@@ -1,8 +1,10 @@
-"""`pdserve serve` as a user runs it: starts its own local Ray cluster, serves, stops on SIGTERM.
-(Runs after the cluster tests' Ray has shut down; it ends only the process it started.)"""
+"""`pdserve serve` as a user runs it: starts its own local Ray cluster, serves, drains and stops
+on SIGTERM, and stops promptly when signalled while still starting.
+(Runs after the cluster tests' Ray has shut down; it ends only the processes it started.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,9 +19,8 @@ from tests.fixtures import free_port, wait_until_ok
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
-def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - outlives the Popen call below
+def _serve(tmp_path, port: int) -> tuple[subprocess.Popen, object]:
+    log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115 - outlives the Popen call
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -39,32 +40,62 @@ def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):
         stderr=subprocess.STDOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    try:
-        deadline = time.monotonic() + 240
-        wait_until_ok(f"http://127.0.0.1:{port}/health", 240, proc)
-        r = httpx.post(
-            f"http://127.0.0.1:{port}/v1/completions",
-            timeout=300,
-            json={
-                "model": "SmolLM2-135M-Instruct",
-                "prompt": "Hello",
-                "max_tokens": 4,
-                "ignore_eos": True,
-            },
-        )
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        # the endpoints are printed once serve.run has returned
-        while f"http://127.0.0.1:{port}/v1" not in (tmp_path / "serve.log").read_text():
-            assert time.monotonic() < deadline, "pdserve serve did not print its endpoints"
-            time.sleep(0.5)
+    return proc, log
+
+
+def _stop(proc: subprocess.Popen, log) -> None:  # type: ignore[no-untyped-def]
+    if proc.poll() is None:  # failed test: still stop it cleanly so it stops its Ray
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
-    finally:
-        if proc.poll() is None:  # failed test: still stop it cleanly so it stops its Ray
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+    log.close()
+
+
+def test_serve_gets_ready_drains_on_sigterm_and_exits_promptly(tmp_path):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc, log = _serve(tmp_path, port)
+    try:
+        wait_until_ok(f"{base}/health", 240, proc)  # liveness: the gateway answers
+        wait_until_ok(f"{base}/ready", 240, proc)  # readiness: every pool has a replica
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/completions", timeout=300, json={**body, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # a long streamed request is in flight when SIGTERM comes: it still gets every token
+        with httpx.stream(
+            "POST", f"{base}/v1/completions", timeout=300,
+            json={**body, "max_tokens": 48, "stream": True},
+        ) as stream:  # fmt: skip
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
             proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-        log.close()
+            refused = httpx.post(
+                f"{base}/v1/completions", timeout=60, json={**body, "max_tokens": 2}
+            )
+            ready = httpx.get(f"{base}/ready", timeout=60)
+            rest = [line for line in lines if line.startswith("data: ")]
+        events = [json.loads(x[6:]) for x in [first, *rest] if x != "data: [DONE]"]
+        tokens = sum(len(c["token_ids"]) for e in events for c in e.get("choices", []))
+        assert tokens == 48 and rest[-1] == "data: [DONE]"  # drained, not cut
+        assert refused.status_code == 503 and ready.status_code == 503  # while draining
+        t = time.monotonic()
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - t < 10, "an idle cluster must exit within 10 s of draining"
+    finally:
+        _stop(proc, log)
+
+
+def test_sigterm_while_starting_exits_within_10_s(tmp_path):
+    port = free_port()
+    proc, log = _serve(tmp_path, port)
+    try:
+        wait_until_ok(f"http://127.0.0.1:{port}/health", 240, proc)  # up, models still loading
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - t < 10
+    finally:
+        _stop(proc, log)

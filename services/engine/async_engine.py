@@ -45,6 +45,7 @@ class AsyncEngine:
         self._stopped = False
         self.last_stats: EngineStats = engine.stats()
         self.busy_s = 0.0  # seconds spent in steps that had work (utilisation, autoscaling)
+        self.last_step_end = time.monotonic()  # when the loop last finished a step
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -120,6 +121,17 @@ class AsyncEngine:
         with self.lock:
             return fn(self.engine, *args)
 
+    def check_alive(self, stall_s: float) -> None:
+        """Raises unless the loop thread runs and, when there is work, finished a step within
+        ``stall_s``. Reads without the lock: a health probe must never wait behind a step."""
+        if self._stopped or not self._thread.is_alive():
+            raise EngineStalledError("the engine loop thread is not running")
+        idle_for = time.monotonic() - self.last_step_end
+        if self._streams and idle_for > stall_s:
+            raise EngineStalledError(
+                f"{len(self._streams)} requests open and no step finished for {idle_for:.0f} s"
+            )
+
     def stop(self) -> None:
         with self._wake:
             self._stopped = True
@@ -149,6 +161,7 @@ class AsyncEngine:
                     self._fail_all(e)
                     continue
                 self.last_stats = self.engine.stats()
+                self.last_step_end = time.monotonic()
                 deliveries = []
                 for out in outputs:
                     stream = self._streams.get(out.request_id)

@@ -40,6 +40,7 @@ from services.engine.sampling_params import SamplingParams, check_prompt
 from services.engine.tokenizer import Tokenizer
 from services.gateway.admission import Admission, OverloadedError
 from services.gateway.auth import TokenCheck
+from services.gateway.readiness import Readiness
 from services.pd_flow import (
     GenerateSpec,
     KVTransferFailedError,
@@ -58,6 +59,64 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 class ServiceUnavailableError(RuntimeError):
     """The cluster could not serve the request (HTTP 503 / UNAVAILABLE)."""
+
+
+class StreamCutError(ServiceUnavailableError):
+    """A replica's stream stopped before its request finished (the replica died)."""
+
+
+def replica_lost(e: BaseException) -> bool:
+    """Did ``e`` come from a replica that died or stopped answering (worth resuming
+    elsewhere), rather than from the request itself (which would fail the same way)?"""
+    from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+
+    from services.engine.async_engine import EngineStalledError
+
+    if isinstance(e, StreamCutError | RayActorError | ActorUnavailableError):
+        return True
+    return isinstance(e, RayTaskError) and isinstance(e.cause, EngineStalledError | RayActorError)
+
+
+class Delivered:
+    """What the client already has of a request's stream: its tokens and text. A replayed
+    stream (the same request run again, same seed) is checked against them token by token
+    and only what lies beyond them is passed on."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._replay_ids: list[int] = []
+        self._replay_text = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def restart(self) -> None:
+        self._replay_ids, self._replay_text = [], ""
+
+    def unseen(self, c: TokenChunk) -> TokenChunk | None:
+        """``c`` minus what was delivered (None: nothing new and not the end). Raises
+        ServiceUnavailableError (not resumable) when a replay disagrees with what was sent."""
+        start = len(self._replay_ids)
+        self._replay_ids.extend(c.token_ids)
+        self._replay_text += c.text
+        n = self.num_tokens
+        if start < n:  # (part of) this chunk replays delivered tokens: they must match
+            overlap = self._replay_ids[start : min(n, len(self._replay_ids))]
+            if overlap != self.token_ids[start : start + len(overlap)]:
+                raise ServiceUnavailableError(
+                    "the resumed request did not replay the tokens already sent"
+                )
+        new_ids = self._replay_ids[max(n, start) :]
+        new_text = self._replay_text[len(self.text) :]
+        if not new_ids and not new_text and c.finish_reason is None:
+            return None
+        skip = max(0, n - start)
+        lps = None if c.logprobs is None else tuple(c.logprobs[skip:])
+        self.token_ids.extend(new_ids)
+        self.text += new_text
+        return replace(c, token_ids=tuple(new_ids), text=new_text, logprobs=lps)
 
 
 @dataclass(slots=True)
@@ -122,6 +181,11 @@ class Metrics:
             registry=r,
         )
         self.requests = Counter("pdserve_requests", "finished requests", ["status"], registry=r)
+        self.resumes = Counter(
+            "pdserve_resumes",
+            "requests run again after a replica died or its stream was cut (mid-stream failover)",
+            registry=r,
+        )
         self.reprefills = Counter(
             "pdserve_kv_reprefills", "requests re-prefilled after a failed KV transfer", registry=r
         )
@@ -204,6 +268,20 @@ class Gateway:
         )
         self.auth = TokenCheck(cfg.auth_token)
         self.streaming = cfg.kv_streaming and cfg.kv_transport in STREAMING
+        self.readiness = Readiness(["decode"] if prefill is None else ["prefill", "decode"])
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def drain(self) -> None:
+        """Stop admitting (readiness fails, new requests get 503); in-flight ones go on."""
+        self.readiness.drain()
+
+    def inflight(self) -> int:
+        """Requests this gateway is serving now (a draining launcher waits for 0)."""
+        return self.admission.inflight
+
+    def _admit(self) -> None:
+        if self.readiness.draining:
+            raise ServiceUnavailableError("the server is shutting down; retry elsewhere")
 
     # ---- request shaping (pure) ----------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -215,6 +293,7 @@ class Gateway:
     async def tokenized(self, fn: Callable[..., list[int]], *args: object) -> list[int]:
         """``fn(*args)`` (a tokenizer call) on a worker thread, admitted like a request: a
         long prompt never stalls the event loop, and under overload nothing is tokenized."""
+        self._admit()
         with self.admission.slot():
             return await asyncio.to_thread(fn, *args)
 
@@ -237,6 +316,7 @@ class Gateway:
     async def generate(self, spec: GenerateSpec, timing: Timing) -> AsyncIterator[TokenChunk]:
         """Streams every token of the request, first token included. Raises OverloadedError
         (before any token) when this gateway or a pool's queue is full."""
+        self._admit()
         with self.admission.slot():
             try:
                 async for chunk in self._flow(spec, timing):
@@ -247,6 +327,45 @@ class Gateway:
                 ) from None
 
     async def _flow(self, spec: GenerateSpec, timing: Timing) -> AsyncIterator[TokenChunk]:
+        """The request's stream, resumed across replica failures: when a prefill or decode
+        replica dies (or its stream is cut) the request runs again on the replicas still
+        serving, with a fresh id and the same seed, and its replay is checked against and
+        stripped of what the client already has (``Delivered``), so every token arrives
+        exactly once. Tried again with backoff until ``resume_timeout_s`` after the first
+        failure; then the stream ends with ServiceUnavailableError, never as a success."""
+        delivered = Delivered()
+        give_up_at: float | None = None
+        attempt = 0
+        while True:
+            s = spec if attempt == 0 else replace(spec, request_id=f"{spec.request_id}-r{attempt}")
+            delivered.restart()
+            try:
+                async for chunk in self._attempt(s, timing):
+                    out = delivered.unseen(chunk)
+                    if out is not None:
+                        if out.token_ids:
+                            timing.token()
+                        yield out
+                return
+            except Exception as e:
+                if not replica_lost(e):
+                    raise
+                now = time.monotonic()
+                give_up_at = give_up_at or now + self.cfg.resume_timeout_s
+                if now >= give_up_at:
+                    raise ServiceUnavailableError(
+                        f"the request could not be resumed after {attempt + 1} attempts: {e}"
+                    ) from None
+                self.metrics.resumes.inc()
+                log.warning(
+                    "request %s: %s after %d tokens; resuming (attempt %d)",
+                    spec.request_id, type(e).__name__, delivered.num_tokens, attempt + 1,
+                )  # fmt: skip
+                await asyncio.sleep(min(4.0, 0.25 * 2**attempt))  # backoff: let Serve replace it
+                attempt += 1
+
+    async def _attempt(self, spec: GenerateSpec, timing: Timing) -> AsyncIterator[TokenChunk]:
+        """One run of the request through the pools: prefill (or not), then decode."""
         deadline = self.cfg.request_timeout_s
         n = len(spec.prompt_ids)
         cached = await self.lookup(spec.prompt_ids)
@@ -272,7 +391,6 @@ class Gateway:
             elif not direct:
                 result = prefill = await self._prefill(spec, timing, prefill_route)
             if not direct:
-                timing.token()
                 yield TokenChunk(
                     (result.first_token,),
                     result.first_text,
@@ -293,6 +411,7 @@ class Gateway:
             )
             receiving = None
             first = True
+            finished = False
             try:
                 async for chunk in _with_deadline(gen, deadline):
                     if first and prefill is None:  # prefilled on the decode replica
@@ -300,9 +419,12 @@ class Gateway:
                     first = False
                     timing.kv_transfer_s += chunk.kv_transfer_s
                     timing.kv_transfer_bytes += chunk.kv_transfer_bytes
-                    if chunk.token_ids:
-                        timing.token()
+                    finished = chunk.finish_reason is not None
                     yield chunk
+                if not finished:
+                    # NOTE: a decode stream that stops without a finish reason was cut (its
+                    # replica died): resumed, or an explicit error; never a truncated success
+                    raise StreamCutError("the decode stream ended before the request finished")
                 return
             except KVTransferFailedError as e:
                 if attempt == 1:

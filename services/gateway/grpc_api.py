@@ -19,6 +19,7 @@ drops exactly the text the client already has.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -258,8 +259,8 @@ async def start_grpc_server(gw: Gateway, host: str, port: int) -> grpc.aio.Serve
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-    for service in ("", name):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    for service in ("", name):  # NOT_SERVING until the cluster is ready (see readiness)
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection(
         (name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
@@ -274,4 +275,22 @@ async def start_grpc_server(gw: Gateway, host: str, port: int) -> grpc.aio.Serve
     if bound == 0:
         raise OSError(f"gRPC API: cannot bind {host}:{port}")
     await server.start()
+    # NOTE: kept on the server so that the HTTP app's lifespan cancels it with the server
+    server.pdserve_health_task = asyncio.create_task(  # type: ignore[attr-defined]
+        _track_readiness(gw, health_servicer, ("", name))
+    )
     return server
+
+
+async def _track_readiness(gw: Gateway, servicer: Any, services: tuple[str, ...]) -> None:
+    """The health service's status follows the gateway's readiness, checked every second."""
+    serving = None
+    while True:
+        ready, _ = await gw.readiness.check()
+        if ready is not serving:
+            status = health_pb2.HealthCheckResponse.SERVING if ready else None
+            status = status or health_pb2.HealthCheckResponse.NOT_SERVING
+            for service in services:
+                await servicer.set(service, status)
+            serving = ready
+        await asyncio.sleep(1.0)

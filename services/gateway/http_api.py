@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP API over a ``Gateway``: /v1/completions, /v1/chat/completions
-(SSE with ``stream: true``), /v1/models, /health, /metrics. Errors are mapped here, once."""
+(SSE with ``stream: true``), /v1/models, /health (liveness), /ready (readiness), /metrics.
+Errors are mapped here, once."""
 
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def build_http_app(gw: Gateway) -> FastAPI:
             server = await start_grpc_server(gw, gw.cfg.http_host, gw.cfg.grpc_port)
         yield
         if server is not None:
+            server.pdserve_health_task.cancel()
             await server.stop(5)
 
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
-    open_paths = ("/health", "/metrics")  # probes and Prometheus scrape without a token
+    open_paths = ("/health", "/ready", "/metrics")  # probes and Prometheus scrape: no token
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):  # type: ignore[no-untyped-def]
@@ -113,7 +115,17 @@ def build_http_app(gw: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        """Liveness: this process answers (cheap; a failing probe restarts the pod)."""
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: the cluster behind this gateway can serve (services.gateway.readiness);
+        503 with the reason while models load, a pool has no replica, or it drains."""
+        ok, why = await gw.readiness.check()
+        if ok:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready", "reason": why}, 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -35,12 +35,13 @@ class PrefillServer(EngineReplica):
         self.metrics.observe_self_test(self_test(transport, self.engine.engine.fingerprint))
         self.kv_source = EngineKVSource(self.engine.engine, self.engine.lock)
         self.streaming = transport.streaming
-        self.kv_server = transport.serve(
-            self.kv_source,
-            node_ip(),
-            cfg.kv_port,
-            lease_s=cfg.kv_hold_timeout_s,
-        )
+        options: dict[str, Any] = {"lease_s": cfg.kv_hold_timeout_s}
+        if transport.name in ("grpc", "shm"):
+            # NOTE: a layer-wise StreamKV holds one server thread for a whole prefill: one per
+            # request this replica may run at once, plus a few for pulls and releases (4 fixed
+            # threads let 4 long prefills starve every other transfer)
+            options["max_workers"] = cfg.prefill.max_num_seqs + 4
+        self.kv_server = transport.serve(self.kv_source, node_ip(), cfg.kv_port, **options)
 
     async def prefill(self, spec: GenerateSpec, route: RouteHint | None = None) -> PrefillResult:
         """``route`` is read by the request router in the caller's process, not here."""

@@ -127,6 +127,9 @@ kv_timeout_s: {{ $s.kvTimeoutS }}
 kv_hold_timeout_s: {{ $s.kvHoldTimeoutS }}
 kv_host_buffer_mb: {{ $s.kvHostBufferMb }}
 request_timeout_s: {{ $s.requestTimeoutS }}
+resume_timeout_s: {{ $s.resumeTimeoutS }}
+shutdown_grace_s: {{ $s.shutdownGraceS }}
+max_request_bytes: {{ $s.maxRequestBytes | int }}
 routing: {{ $s.routing }}
 {{- if eq $s.routing "prefix_aware" }}
 redis_url: {{ include "pdserve.redisUrl" . | quote }}

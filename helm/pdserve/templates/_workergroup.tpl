@@ -23,6 +23,7 @@
         pdserve.io/component: ray
         pdserve.io/role: {{ .role }}
     spec:
+      terminationGracePeriodSeconds: {{ add (int $v.serve.shutdownGraceS) 15 }}
       securityContext: {{- toYaml $v.podSecurityContext | nindent 8 }}
       {{- with $v.image.pullSecrets }}
       imagePullSecrets:
