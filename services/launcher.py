@@ -101,7 +101,12 @@ def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int
     except Interrupted:
         print("pdserve: interrupted while starting; stopping", file=sys.stderr, flush=True)
     finally:
-        serve.shutdown()
+        if not (started_ray and not serving.is_set()):
+            # NOTE: Serve's shutdown waits for each replica's graceful stop, which queues
+            # behind a replica's constructor (a model still loading); a cluster this process
+            # started that never served has nothing to drain or hand over: stopping Ray
+            # ends every replica at once
+            serve.shutdown()
         if started_ray:
             ray.shutdown()
     return 0

@@ -3,7 +3,7 @@
 Key schema (``ns`` is the namespace, by default ``pdserve``; hashes are lowercase hex):
 - ``{ns}:block:{hash}``   SET of replica ids holding that block
 - ``{ns}:replica:{id}``   SET of the block hashes a replica holds (for ``drop_replica``);
-  expires with the replica's lease
+  expires with the replica's lease (give or take its last publish after its last heartbeat)
 - ``{ns}:lease:{id}``     STRING with a TTL, refreshed by ``heartbeat``; a replica without one
   is dead: ``lookup`` ignores it and removes it from the block sets it visits
 Lookups run as one Lua script (one round trip) that walks the hashes in order and stops at the

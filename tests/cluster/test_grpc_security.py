@@ -5,6 +5,8 @@ request it is serving."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import httpx
 import pytest
@@ -71,9 +73,15 @@ def test_a_wrong_or_missing_token_is_unauthenticated_on_both_apis(secure):
             with pytest.raises(grpc.RpcError) as e:
                 call(md)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    # health probes carry no token
-    health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
-    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    # health probes carry no token; the status follows readiness (SERVING once the pools run)
+    health = health_pb2_grpc.HealthStub(ch)
+    deadline = time.monotonic() + 60
+    while (
+        health.Check(health_pb2.HealthCheckRequest(), timeout=30).status
+        != health_pb2.HealthCheckResponse.SERVING
+    ):
+        assert time.monotonic() < deadline, "the gRPC health status never became SERVING"
+        time.sleep(0.2)  # polling a status the server updates once a second
     got = _generate(stub, GOOD)
     body = {"model": MODEL, "prompt": "The capital of Italy is", "max_tokens": 6}
     body |= {"temperature": 0, "ignore_eos": True}
