@@ -349,29 +349,6 @@ static inline void rope_head(float *restrict h, const float *restrict c, const f
     for (int i = 0; i < D; i++) h[i] = tmp[i];
 }
 
-/* q [T, H, D] (row stride qs), k [T, KVH, D] (row stride ks), v (row stride vs): RoPE on q
- * and k in place, then k and v into the caches [KVH, slots, D] at slots[t] (< 0: skipped) */
-void pdserve_rope_and_cache(float *restrict q, int64_t qs, float *restrict k, int64_t ks,
-                            const float *restrict v, int64_t vs, int T, int H, int KVH, int D,
-                            const int64_t *restrict positions, const float *restrict cos_t,
-                            const float *restrict sin_t, float *restrict k_cache,
-                            float *restrict v_cache, int64_t num_slots,
-                            const int64_t *restrict slots) {
-    for (int t = 0; t < T; t++) {
-        const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
-        for (int h = 0; h < H; h++) rope_head(q + t * qs + (int64_t)h * D, c, s, D);
-        for (int h = 0; h < KVH; h++) {
-            float *kh = k + t * ks + (int64_t)h * D;
-            rope_head(kh, c, s, D);
-            if (slots[t] < 0) continue;
-            float *kc = k_cache + ((int64_t)h * num_slots + slots[t]) * D;
-            float *vc = v_cache + ((int64_t)h * num_slots + slots[t]) * D;
-            const float *vh = v + t * vs + (int64_t)h * D;
-            for (int i = 0; i < D; i++) { kc[i] = kh[i]; vc[i] = vh[i]; }
-        }
-    }
-}
-
 /* One int8 KV row (services/engine/kv_quant.py): D int8 values, then D/32 fp32 scales, one
  * per 32 values, scale = max|x| / 127, q = round-half-even(x / scale). The same division and
  * rounding as kv_quant.quantize, so both write the same bytes. */
@@ -393,14 +370,15 @@ static inline void quantize_row(const float *restrict x, int D, uint8_t *restric
     }
 }
 
-/* pdserve_rope_and_cache for an int8 cache: caches [KVH, slots, R] bytes, R = D + D / 8 */
-void pdserve_rope_and_cache_q8(float *restrict q, int64_t qs, float *restrict k, int64_t ks,
-                               const float *restrict v, int64_t vs, int T, int H, int KVH, int D,
-                               const int64_t *restrict positions, const float *restrict cos_t,
-                               const float *restrict sin_t, uint8_t *restrict k_cache,
-                               uint8_t *restrict v_cache, int64_t num_slots,
-                               const int64_t *restrict slots) {
-    const int64_t R = D + D / 8;
+/* RoPE on q and k in place, then each new token's k and v into the caches at slots[t]
+ * (< 0: skipped): fp32 rows of D values, or (q8) int8 rows of quantize_row */
+static void rope_and_cache(float *restrict q, int64_t qs, float *restrict k, int64_t ks,
+                           const float *restrict v, int64_t vs, int T, int H, int KVH, int D,
+                           const int64_t *restrict positions, const float *restrict cos_t,
+                           const float *restrict sin_t, uint8_t *restrict k_cache,
+                           uint8_t *restrict v_cache, int64_t num_slots,
+                           const int64_t *restrict slots, int q8) {
+    const int64_t R = q8 ? D + D / 8 : (int64_t)D * 4; /* bytes a row */
     for (int t = 0; t < T; t++) {
         const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
         for (int h = 0; h < H; h++) rope_head(q + t * qs + (int64_t)h * D, c, s, D);
@@ -408,10 +386,40 @@ void pdserve_rope_and_cache_q8(float *restrict q, int64_t qs, float *restrict k,
             float *kh = k + t * ks + (int64_t)h * D;
             rope_head(kh, c, s, D);
             if (slots[t] < 0) continue;
-            quantize_row(kh, D, k_cache + ((int64_t)h * num_slots + slots[t]) * R);
-            quantize_row(v + t * vs + (int64_t)h * D, D, v_cache + ((int64_t)h * num_slots + slots[t]) * R);
+            const float *vh = v + t * vs + (int64_t)h * D;
+            uint8_t *kc = k_cache + ((int64_t)h * num_slots + slots[t]) * R;
+            uint8_t *vc = v_cache + ((int64_t)h * num_slots + slots[t]) * R;
+            if (q8) {
+                quantize_row(kh, D, kc);
+                quantize_row(vh, D, vc);
+            } else {
+                for (int i = 0; i < D; i++) { ((float *)kc)[i] = kh[i]; ((float *)vc)[i] = vh[i]; }
+            }
         }
     }
+}
+
+/* q [T, H, D] (row stride qs), k [T, KVH, D] (row stride ks), v (row stride vs): RoPE on q
+ * and k in place, then k and v into the fp32 caches [KVH, slots, D] at slots[t] (< 0: skipped) */
+void pdserve_rope_and_cache(float *restrict q, int64_t qs, float *restrict k, int64_t ks,
+                            const float *restrict v, int64_t vs, int T, int H, int KVH, int D,
+                            const int64_t *restrict positions, const float *restrict cos_t,
+                            const float *restrict sin_t, float *restrict k_cache,
+                            float *restrict v_cache, int64_t num_slots,
+                            const int64_t *restrict slots) {
+    rope_and_cache(q, qs, k, ks, v, vs, T, H, KVH, D, positions, cos_t, sin_t,
+                   (uint8_t *)k_cache, (uint8_t *)v_cache, num_slots, slots, 0);
+}
+
+/* The same for an int8 cache: caches [KVH, slots, R] bytes, R = D + D / 8 */
+void pdserve_rope_and_cache_q8(float *restrict q, int64_t qs, float *restrict k, int64_t ks,
+                               const float *restrict v, int64_t vs, int T, int H, int KVH, int D,
+                               const int64_t *restrict positions, const float *restrict cos_t,
+                               const float *restrict sin_t, uint8_t *restrict k_cache,
+                               uint8_t *restrict v_cache, int64_t num_slots,
+                               const int64_t *restrict slots) {
+    rope_and_cache(q, qs, k, ks, v, vs, T, H, KVH, D, positions, cos_t, sin_t, k_cache, v_cache,
+                   num_slots, slots, 1);
 }
 
 /* out [T, I] = silu(gate) * up of gate_up [T, 2I] (gate first) */
@@ -660,24 +668,14 @@ void pdserve_decode_step(const pd_model *m, int B, float *restrict x,
         pdserve_add_rms_norm(x, i ? res : NULL, L->attn_norm, B, h, m->eps, hn, res2);
         float *t = res; res = res2; res2 = t;
         pd_apply(&L->qkv, hn, B, qkv);
-        if (m->kv_int8)
-            pdserve_rope_and_cache_q8(qkv, qkv_n, qkv + H * D, qkv_n, qkv + (H + KVH) * D, qkv_n,
-                                      B, H, KVH, D, positions, m->cos, m->sin, L->k_cache,
-                                      L->v_cache, m->num_slots, slots);
-        else
-            pdserve_rope_and_cache(qkv, qkv_n, qkv + H * D, qkv_n, qkv + (H + KVH) * D, qkv_n,
-                                   B, H, KVH, D, positions, m->cos, m->sin, L->k_cache,
-                                   L->v_cache, m->num_slots, slots);
+        rope_and_cache(qkv, qkv_n, qkv + H * D, qkv_n, qkv + (H + KVH) * D, qkv_n, B, H, KVH, D,
+                       positions, m->cos, m->sin, L->k_cache, L->v_cache, m->num_slots, slots,
+                       m->kv_int8);
         for (int b = 0; b < B; b++) /* q rows contiguous [B, H, D] */
             for (int j = 0; j < H * D; j++) q[(int64_t)b * H * D + j] = qkv[(int64_t)b * qkv_n + j];
-        if (m->kv_int8)
-            pdserve_decode_attention_q8(q, L->k_cache, L->v_cache, m->num_slots, tables,
-                                        table_stride, seq_lens, B, H, KVH, D, m->block_size,
-                                        m->window, scale, att, scores);
-        else
-            pdserve_decode_attention(q, L->k_cache, L->v_cache, m->num_slots, tables,
-                                     table_stride, seq_lens, B, H, KVH, D, m->block_size,
-                                     m->window, scale, att, scores);
+        decode_attention(q, L->k_cache, L->v_cache, m->num_slots,
+                         m->kv_int8 ? D + D / 8 : (int64_t)D * 4, m->kv_int8, tables, table_stride,
+                         seq_lens, B, H, KVH, D, m->block_size, m->window, scale, att, scores);
         pd_apply(&L->o, att, B, y);
         pdserve_add_rms_norm(y, res, L->mlp_norm, B, h, m->eps, hn, res2);
         t = res; res = res2; res2 = t;
