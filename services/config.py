@@ -213,6 +213,13 @@ class ServeConfig(BaseModel):
         description="host memory each replica keeps for reuse by received and exported KV "
         "buffers once they are done with (warm memory instead of fresh pages); 0 = keep none",
     )
+    kv_pull_budget_mb: int = Field(
+        1024,
+        ge=1,
+        description="KV a decode replica may be pulling at once (held in host memory until "
+        "imported); a pull that would pass it, or need more blocks than the engine has free, "
+        "waits for earlier ones (back-pressure)",
+    )
     kv_hold_timeout_s: float = Field(
         60.0, gt=0, description="prefill keeps unclaimed KV this long, then frees it"
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -23,7 +23,9 @@ from kvtransfer.selftest import self_test
 from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
 from services.config import ServeConfig
+from services.decode.pull_budget import PullBudget
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
+from services.engine.kv_cache import KVCache
 from services.engine.kv_handle import KVHandle
 from services.pd_flow import (
     GenerateSpec,
@@ -64,6 +66,14 @@ class DecodeServer(EngineReplica):
         self._pulls = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-pull")
         # test hook: when set, the next KV pull fails as a lost transfer would
         self.fail_next_pulls = 0
+        engine = self.engine.engine
+        mc = engine.model_config
+        self._block_bytes = KVCache.bytes_per_block(
+            mc.num_layers, engine.config.block_size, mc.num_kv_heads, mc.head_dim, engine.kv_dtype
+        )
+        self.budget = PullBudget(
+            cfg.kv_pull_budget_mb << 20, lambda: self.engine.last_stats.blocks_free
+        )
 
     async def _pull(
         self, spec: GenerateSpec, prefill: PrefillResult | PrefillStarted
@@ -122,6 +132,19 @@ class DecodeServer(EngineReplica):
         """``prefill``: a finished prefill to pull from, a started one to receive layer by
         layer, or None to prefill here. ``route`` is read by the request router in the
         caller's process, not here."""
+        nblocks = 0 if prefill is None else -(-len(spec.prompt_ids) // self.cfg.block_size)
+        async with self.budget.hold(nblocks * self._block_bytes, nblocks) as imported:
+            async for chunk in self._generate(spec, prefill, imported):
+                yield chunk
+
+    async def _generate(
+        self,
+        spec: GenerateSpec,
+        prefill: PrefillResult | PrefillStarted | None,
+        imported: Callable[[], None],
+    ) -> AsyncIterator[TokenChunk]:
+        """``generate`` inside the pull budget; ``imported`` gives the request's share back
+        once its KV is in the paged cache (by its first output)."""
         handle = None
         transfer_s, transfer_bytes = 0.0, 0
         start = time.perf_counter()
@@ -133,6 +156,7 @@ class DecodeServer(EngineReplica):
         async for out in self.engine.generate(
             spec.request_id, spec.prompt_ids, spec.params, kv_handle=handle
         ):
+            imported()
             if not out.new_token_ids and not out.finished:
                 continue
             now = time.perf_counter()
