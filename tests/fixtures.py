@@ -210,22 +210,30 @@ def start_redis(
             time.sleep(0.1)
 
 
-def wait_until_ok(url: str, timeout_s: float, proc: Any = None) -> None:
-    """Poll ``url`` until it answers 200; fail if ``proc`` exits or the deadline passes."""
+def eventually(check: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.05) -> Any:
+    """Call ``check`` until it returns something truthy (returned) or the deadline passes (the
+    test fails naming ``what``): the one way tests wait on another process's state."""
     import time
 
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(every_s)
+    return result
+
+
+def wait_until_ok(url: str, timeout_s: float, proc: Any = None) -> None:
+    """Poll ``url`` until it answers 200; fail if ``proc`` exits or the deadline passes."""
     import httpx
 
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def ok() -> bool:
         assert proc is None or proc.poll() is None, f"the server exited while waiting for {url}"
         try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
+            return httpx.get(url, timeout=5).status_code == 200
         except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{url} did not come up within {timeout_s} s"
-        time.sleep(1)
+            return False
+
+    eventually(ok, timeout_s, f"{url} answering 200", every_s=1)
 
 
 @pytest.fixture(scope="session")

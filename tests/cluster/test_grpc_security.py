@@ -5,8 +5,6 @@ request it is serving."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import httpx
 import pytest
@@ -15,7 +13,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
 
 from tests.cluster.conftest import BASE, MODEL, deploy, replica_stats, undeploy
-from tests.fixtures import free_port, make_tls_certs
+from tests.fixtures import eventually, free_port, make_tls_certs
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -75,13 +73,15 @@ def test_a_wrong_or_missing_token_is_unauthenticated_on_both_apis(secure):
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # health probes carry no token; the status follows readiness (SERVING once the pools run)
     health = health_pb2_grpc.HealthStub(ch)
-    deadline = time.monotonic() + 60
-    while (
-        health.Check(health_pb2.HealthCheckRequest(), timeout=30).status
-        != health_pb2.HealthCheckResponse.SERVING
-    ):
-        assert time.monotonic() < deadline, "the gRPC health status never became SERVING"
-        time.sleep(0.2)  # polling a status the server updates once a second
+    eventually(
+        lambda: (
+            health.Check(health_pb2.HealthCheckRequest(), timeout=30).status
+            == health_pb2.HealthCheckResponse.SERVING
+        ),
+        60,
+        "the gRPC health status SERVING",
+        every_s=0.2,  # polling a status the server updates once a second
+    )
     got = _generate(stub, GOOD)
     body = {"model": MODEL, "prompt": "The capital of Italy is", "max_tokens": 6}
     body |= {"temperature": 0, "ignore_eos": True}

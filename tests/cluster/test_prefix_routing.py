@@ -7,7 +7,6 @@ recovery, eviction, then a killed replica whose lease runs out."""
 from __future__ import annotations
 
 import re
-import time
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ from services.engine.block_hash import hash_blocks
 from services.engine.sampling_params import SamplingParams
 from services.prefix_index.redis_index import RedisIndex
 from tests.cluster.conftest import BASE, complete, deploy, replica_stats, undeploy
-from tests.fixtures import free_port, start_redis
+from tests.fixtures import eventually, free_port, start_redis
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -97,14 +96,6 @@ def _prefill_by_index_id():
     return {i.index_id: i.stats for i in replica_stats(APP, "prefill", 2).values()}
 
 
-def _wait(cond, what, timeout_s=30.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not (v := cond()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return v
-
-
 def _metric(name):
     m = re.search(rf"^{name} (\S+)$", httpx.get(f"{BASE}{PREFIX}/metrics").text, re.M)
     return float(m.group(1)) if m else None
@@ -117,7 +108,9 @@ def _on_prefill(index, hashes):
 
 def _holder(index, sys_ids):
     hashes = hash_blocks(sys_ids, 16)
-    found = _wait(lambda: _on_prefill(index, hashes), "the system prompt in the index")
+    found = eventually(
+        lambda: _on_prefill(index, hashes), 30, "the system prompt in the index", every_s=0.1
+    )
     assert len(found) == 1 and list(found.values()) == [len(hashes)], found
     return next(iter(found))
 
@@ -165,13 +158,18 @@ def test_redis_outage_keeps_serving_and_routing_recovers(px, index, smollm_engin
     assert _metric("pdserve_prefix_index_up") == 0.0
     px.start()  # back, and empty: the replicas' publishers republish their caches
     hashes = hash_blocks(sys_ids, 16)
-    _wait(lambda: holder in index.lookup(hashes), "the holder's entries to be republished")
+    eventually(
+        lambda: holder in index.lookup(hashes),
+        30,
+        "the holder's entries to be republished",
+        every_s=0.1,
+    )
 
     def routed_again() -> bool:
         complete(_body(prompts[0]), prefix=PREFIX)
         return _metric("pdserve_prefix_index_up") == 1.0
 
-    _wait(routed_again, "routing to use the index again")
+    eventually(routed_again, 30, "routing to use the index again", every_s=0.1)
 
 
 def test_evicted_blocks_leave_the_index(px, index, smollm_engine):
@@ -179,7 +177,7 @@ def test_evicted_blocks_leave_the_index(px, index, smollm_engine):
 
     sys_ids, _ = _prompts(smollm_engine.tokenizer, 1)
     hashes = hash_blocks(sys_ids, 16)
-    assert _wait(lambda: _on_prefill(index, hashes), "entries to evict")
+    assert eventually(lambda: _on_prefill(index, hashes), 30, "entries to evict", every_s=0.1)
     prefill = serve.get_deployment_handle("prefill", app_name=APP)
 
     def evicted() -> bool:
@@ -187,7 +185,7 @@ def test_evicted_blocks_leave_the_index(px, index, smollm_engine):
         flushed = all(prefill.flush_index.remote().result() for _ in range(4))
         return flushed and not _on_prefill(index, hashes)
 
-    _wait(evicted, "evicted blocks to leave the index")
+    eventually(evicted, 30, "evicted blocks to leave the index", every_s=0.1)
 
 
 def test_a_killed_replicas_entries_expire_with_its_lease(px, index, smollm_engine):
@@ -205,17 +203,21 @@ def test_a_killed_replicas_entries_expire_with_its_lease(px, index, smollm_engin
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
     # no goodbye from a killed process: the entries go when the lease runs out
     hashes = hash_blocks(sys_ids, 16)
-    _wait(
+    eventually(
         lambda: holder not in index.lookup(hashes),
-        "the dead replica's entries to expire",
         TTL_S + 20,
+        "the dead replica's entries to expire",
+        every_s=0.1,
     )
     raw = index._r
     assert not raw.exists(f"pdserve:{APP}:lease:{holder}")
     # the hash set's expiry follows the lease's, give or take the replica's last publish
     # after its last heartbeat (at most one heartbeat period)
-    _wait(
-        lambda: not raw.exists(f"pdserve:{APP}:replica:{holder}"), "the hash set to expire", TTL_S
+    eventually(
+        lambda: not raw.exists(f"pdserve:{APP}:replica:{holder}"),
+        TTL_S,
+        "the hash set to expire",
+        every_s=0.1,
     )
     got, _ = complete(_body(prompts[0]), prefix=PREFIX)  # the cluster keeps serving
     assert got == _cold(smollm_engine, prompts[0])

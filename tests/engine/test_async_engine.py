@@ -12,6 +12,7 @@ from collections.abc import Callable
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
+from tests.fixtures import eventually
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 
@@ -68,10 +69,11 @@ def test_outputs_stream_in_order_and_a_consumer_that_leaves_frees_its_request(
             return first.new_token_ids
 
         assert asyncio.run(leave_after_first()) == whole[:1]
-        deadline = time.monotonic() + 10
-        while (eng.has_unfinished or eng.blocks.num_used_blocks) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not eng.has_unfinished and eng.blocks.num_used_blocks == 0
+        eventually(
+            lambda: not eng.has_unfinished and eng.blocks.num_used_blocks == 0,
+            10,
+            "the aborted request finished and its blocks freed",
+        )
         # the engine still serves, with the same greedy tokens
         assert asyncio.run(collect(ae, "c", greedy)) == whole
     finally:

@@ -16,6 +16,7 @@ from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
+from tests.fixtures import eventually
 from tests.kvtransfer import sender_proc
 from tests.kvtransfer.kv_fixtures import DictSource, random_handle
 
@@ -165,20 +166,26 @@ def test_dist_pairs_are_lazy_reused_bounded_and_evicted_when_idle():
         for _ in range(3):
             client.pull(servers[0].address, "r", h.fingerprint, 10)
         assert client.num_pairs == 1
-        deadline = time.monotonic() + 5
-        while servers[0].pairs_open != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        deadline = time.monotonic() + 5  # NOTE: one 5 s budget for the three waits together
+        eventually(
+            lambda: servers[0].pairs_open == 1,
+            deadline - time.monotonic(),
+            "the sender's pair open",
+        )
         client.pull(servers[1].address, "r", h.fingerprint, 10)  # bound 1: the first pair goes
         assert client.num_pairs == 1
-        while servers[0].pairs_open != 0:
-            assert time.monotonic() < deadline, "the evicted pair was not closed on the sender"
-            time.sleep(0.05)
+        eventually(
+            lambda: servers[0].pairs_open == 0,
+            deadline - time.monotonic(),
+            "the evicted pair closed on the sender",
+        )
         time.sleep(0.6)
         client.pull(servers[0].address, "r", h.fingerprint, 10)  # idle pair closed, new one made
-        while servers[1].pairs_open != 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        eventually(
+            lambda: servers[1].pairs_open == 0,
+            deadline - time.monotonic(),
+            "the idle pair closed on the sender",
+        )
     finally:
         client.close()
         for s in servers:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
@@ -11,7 +10,7 @@ from services.engine.block_hash import hash_blocks
 from services.engine.sampling_params import SamplingParams
 from services.prefix_index import get_index
 from services.prefix_index.publisher import IndexPublisher, unique_replica_id
-from tests.fixtures import free_port, start_redis
+from tests.fixtures import eventually, free_port, start_redis
 
 PROMPT = list(range(3, 3 + 40))  # 10 full blocks of 4
 
@@ -60,10 +59,7 @@ def test_redis_outage_is_counted_and_resynced(make_engine):
         proc.wait(timeout=10)
         # the engine keeps serving while the index is down
         eng.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-        deadline = time.monotonic() + 10
-        while pub.errors == 0:
-            assert time.monotonic() < deadline, "the outage was not noticed"
-            time.sleep(0.05)
+        eventually(lambda: pub.errors, 10, "the publisher noticing the outage")
         proc = start_redis(port)  # Redis is back, empty
         assert pub.flush(timeout_s=10)
         assert index.lookup(hash_blocks(PROMPT, 4)) == {pub.replica_id: 10}
@@ -87,10 +83,11 @@ def test_an_index_that_lost_its_data_is_repopulated(make_engine, redis_url):
         r = redis.Redis.from_url(redis_url)
         r.delete(*r.keys(f"{ns}:*"))
         assert index.lookup(hash_blocks(PROMPT, 4)) == {}
-        deadline = time.monotonic() + 10
-        while index.lookup(hash_blocks(PROMPT, 4)) != {pub.replica_id: 10}:
-            assert time.monotonic() < deadline, "the lost entries were never republished"
-            time.sleep(0.05)
+        eventually(
+            lambda: index.lookup(hash_blocks(PROMPT, 4)) == {pub.replica_id: 10},
+            10,
+            "the lost entries republished",
+        )
         assert pub.errors == 0  # no error was seen: the lapsed lease alone triggered it
     finally:
         pub.stop()
