@@ -2,8 +2,14 @@
 
 The engine puts pieces from its loop thread under its lock (``KVSink``: never waits); a
 transport server thread takes them out (``events``) and sends them. Pieces are dropped once
-taken, so memory is bounded by what the receiver has not read yet (at most one copy of the
-request's KV, when the receiver attaches late).
+taken, so a stream holds what its receiver has not read yet (at most one copy of the request's
+KV, when the receiver attaches late).
+
+Host memory across a replica's streams is bounded (``StreamBuffer``, ``kv_stream_buffer_mb``):
+a piece that would pass the bound *spills* its stream instead of waiting (the engine never
+waits for a peer): the stream drops what it has queued, takes no more pieces, and at the end
+sends every layer from the request's held KV (``refill``), as a whole pull would. Pieces
+already sent stay valid: a receiver applies pieces in order, a later one over an earlier one.
 
 Lifecycle: open (registered by the prefill replica before it names its KV address) ->
 attached (one receiver; a second is refused) -> finished (the final handle is queued after
@@ -29,6 +35,47 @@ from services.engine.kv_stream import KVPiece
 class StreamFailedError(TransferError):
     """The stream ended without the final handle (the prefill was aborted, finished at its
     first token, or its KV hold ended before everything was sent)."""
+
+
+class StreamBuffer:
+    """Bytes of layer pieces queued in a replica's streams, under ``cap_bytes`` (see the
+    module's note on spilling). Thread-safe; never blocks."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.used = 0
+        self.spilled = 0  # streams that passed the bound
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.used + n > self.cap_bytes:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+            assert self.used >= 0, "gave back more than was taken"
+
+    def spill(self, n: int) -> None:
+        """A stream spilled, giving back the ``n`` bytes it had queued."""
+        with self._lock:
+            self.used -= n
+            self.spilled += 1
+
+
+def piece_bytes(piece: KVPiece) -> int:
+    return piece.data.numel() * piece.data.element_size()
+
+
+def layer_pieces(handle: KVHandle) -> Iterator[KVPiece]:
+    """Every layer of a handle with block data, as whole-prompt pieces (views)."""
+    n = handle.num_computed
+    for layer in range(handle.fingerprint.num_layers):
+        # [2, blocks, block_size, heads, row] -> [2, positions, heads, row]
+        yield KVPiece(layer, 0, n, handle.blocks[layer].flatten(1, 2)[:, :n])
 
 
 class StreamBusyError(Exception):
@@ -59,6 +106,9 @@ class KVStream:
     """Args:
     num_tokens: positions whose KV the stream will carry (the prompt length).
     on_close: called once, when the stream closes (unregisters it).
+    buffer: the replica's bound on queued pieces; None = unbounded.
+    refill: the request's held KV with block data, once the prefill is done (what a spilled
+        stream sends at its end); raises ``UnknownRequestError`` once the hold has ended.
     """
 
     def __init__(
@@ -67,7 +117,10 @@ class KVStream:
         fingerprint: LayoutFingerprint,
         num_tokens: int,
         on_close: Callable[[], None] | None = None,
+        buffer: StreamBuffer | None = None,
+        refill: Callable[[], KVHandle] | None = None,
     ) -> None:
+        assert buffer is None or refill is not None, "a bounded stream must be able to refill"
         self.request_id = request_id
         self.fingerprint = fingerprint
         self.num_tokens = num_tokens
@@ -78,6 +131,15 @@ class KVStream:
         self._finished = False
         self._failed: str | None = None
         self._attached = False
+        self._buffer = buffer
+        self._refill = refill
+        self._queued_bytes = 0  # of the pieces in _items (taken from the buffer)
+        self._spilled = False
+
+    @property
+    def spilled(self) -> bool:
+        with self._cond:
+            return self._spilled
 
     @property
     def finished(self) -> bool:
@@ -88,9 +150,19 @@ class KVStream:
     # ---- the engine's side (KVSink) ------------------------------------------------------
     def put(self, piece: KVPiece) -> None:
         with self._cond:
-            if self._failed is None and not self._finished:
-                self._items.append(piece)
-                self._cond.notify_all()
+            if self._failed is not None or self._finished or self._spilled:
+                return
+            n = piece_bytes(piece)
+            if self._buffer is not None and not self._buffer.take(n):
+                # over the replica's bound: drop what is queued, refill at the end
+                self._spilled = True
+                self._buffer.spill(self._queued_bytes)
+                self._queued_bytes = 0
+                self._items.clear()
+                return
+            self._queued_bytes += n
+            self._items.append(piece)
+            self._cond.notify_all()
 
     def finish(self, handle: KVHandle) -> None:
         with self._cond:
@@ -106,6 +178,9 @@ class KVStream:
                 return
             self._failed = reason
             self._items.clear()
+            if self._buffer is not None:
+                self._buffer.give(self._queued_bytes)
+            self._queued_bytes = 0
             self._cond.notify_all()
         if self._on_close is not None:
             self._on_close()
@@ -142,6 +217,23 @@ class KVStream:
                 if not self._items:
                     raise StreamFailedError(str(self._failed))
                 item = self._items.popleft()
-            yield item
+                spilled = self._spilled
+                n = 0 if isinstance(item, KVHandle) else piece_bytes(item)
+                self._queued_bytes -= n  # in flight now: still taken from the buffer
             if isinstance(item, KVHandle):
+                if spilled:
+                    yield from layer_pieces(self._held_kv())
+                yield item
                 return
+            try:
+                yield item
+            finally:  # sent (or the receiver went away): its bytes leave the bound
+                if self._buffer is not None:
+                    self._buffer.give(n)
+
+    def _held_kv(self) -> KVHandle:
+        assert self._refill is not None
+        try:
+            return self._refill()
+        except UnknownRequestError:  # the hold ended between the last piece and now
+            raise StreamFailedError(f"the KV of {self.request_id!r} is no longer held") from None

@@ -220,6 +220,13 @@ class ServeConfig(BaseModel):
         "imported); a pull that would pass it, or need more blocks than the engine has free, "
         "waits for earlier ones (back-pressure)",
     )
+    kv_stream_buffer_mb: int = Field(
+        512,
+        ge=0,
+        description="host memory a prefill replica may hold in layer-wise KV pieces not yet "
+        "sent; a stream that would pass it stops queueing and sends its KV from the held "
+        "blocks once the prefill ends (as a whole pull)",
+    )
     kv_hold_timeout_s: float = Field(
         60.0, gt=0, description="prefill keeps unclaimed KV this long, then frees it"
     )

@@ -33,7 +33,9 @@ class PrefillServer(EngineReplica):
         super().__init__(cfg, cfg.prefill, "prefill", open_index(cfg, index_handle))
         transport = get_transport(cfg.kv_transport)  # NOTE: raises if it cannot work here
         self.metrics.observe_self_test(self_test(transport, self.engine.engine.fingerprint))
-        self.kv_source = EngineKVSource(self.engine.engine, self.engine.lock)
+        self.kv_source = EngineKVSource(
+            self.engine.engine, self.engine.lock, cfg.kv_stream_buffer_mb << 20
+        )
         self.streaming = transport.streaming
         options: dict[str, Any] = {"lease_s": cfg.kv_hold_timeout_s}
         if transport.name in ("grpc", "shm"):
@@ -88,7 +90,8 @@ class PrefillServer(EngineReplica):
 
     def kv_stream_stats(self) -> dict[str, int]:
         """Layer-wise streams: receivers that attached while the prefill ran ("early": the
-        transfer overlapped it) or after it ("late"), and streams open now."""
+        transfer overlapped it) or after it ("late"), streams open now, streams that spilled
+        (the stream buffer was full) and the bytes queued now."""
         return self.kv_source.stream_stats()
 
     def __del__(self) -> None:

@@ -58,7 +58,8 @@ def test_a_layer_wise_stream_overlaps_its_prefill(apps, smollm_engine, t):
     assert got == want
     after = prefill.kv_stream_stats.remote().result()
     assert after["early"] == before["early"] + 1  # received while the prefill still ran
-    assert after["open"] == 0  # released: nothing left on the prefill replica
+    assert after["open"] == 0 and after["queued_bytes"] == 0  # released: nothing left
+    assert after["spilled"] == before["spilled"]  # within the stream buffer
     assert resp["pdserve_timing"]["num_cached_tokens"] == 0
 
 
@@ -67,7 +68,8 @@ def test_whole_pulls_open_no_stream(apps):
     body = {"prompt": "Name a planet:", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     got, resp = complete(body, prefix="/kv-whole")
     assert len(got) == 3 and resp["pdserve_timing"]["kv_transfer_s"] > 0
-    assert prefill.kv_stream_stats.remote().result() == {"early": 0, "late": 0, "open": 0}
+    stats = prefill.kv_stream_stats.remote().result()
+    assert stats == {"early": 0, "late": 0, "open": 0, "spilled": 0, "queued_bytes": 0}
 
 
 def test_each_replica_reports_the_transport_it_tested(apps):

@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
-from kvtransfer.stream import KVStream
+from kvtransfer.stream import KVStream, StreamBuffer
 from services.engine import kv_quant
+from services.engine.errors import UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_stream import KVPiece
 
@@ -41,10 +43,27 @@ class DictSource:
     def stream_attached(self, early: bool) -> None:
         self.attached.append(early)
 
-    def open_stream(self, h: KVHandle) -> KVStream:
-        stream = KVStream(h.request_id, h.fingerprint, h.num_computed)
+    def open_stream(self, h: KVHandle, buffer: StreamBuffer | None = None) -> KVStream:
+        """``buffer``: the stream is bounded; it refills from ``handles`` (the held KV)."""
+
+        def held() -> KVHandle:
+            if h.request_id not in self.handles:
+                raise UnknownRequestError(h.request_id)
+            return self.handles[h.request_id]
+
+        stream = KVStream(h.request_id, h.fingerprint, h.num_computed, None, buffer, held)
         self.streams[h.request_id] = stream
         return stream
+
+
+def iter_pieces(h: KVHandle, chunks: int = 2) -> Iterator[KVPiece]:
+    """``h``'s KV as a chunked prefill puts it: per chunk of positions, layer by layer."""
+    flat = h.blocks.flatten(2, 3)  # [layers, 2, positions, heads, dim]
+    n = h.num_computed
+    bounds = [n * i // chunks for i in range(chunks + 1)]
+    for a, b in itertools.pairwise(bounds):
+        for layer in range(h.blocks.shape[0]):
+            yield KVPiece(layer, a, b, flat[layer, :, a:b].contiguous())
 
 
 def feed(
@@ -52,21 +71,15 @@ def feed(
 ) -> threading.Thread:
     """Put ``h``'s KV into ``stream`` as a chunked prefill would (per chunk of positions,
     layer by layer, ``delay_s`` per layer), then finish it (or fail it at layer ``fail_at``)."""
-    layers = h.blocks.shape[0]
-    flat = h.blocks.flatten(2, 3)  # [layers, 2, positions, heads, dim]
     n = h.num_computed
-    bounds = [n * i // chunks for i in range(chunks + 1)]
 
     def run() -> None:
-        step = 0
-        for a, b in itertools.pairwise(bounds):
-            for layer in range(layers):
-                if step == fail_at:
-                    stream.fail("the request was aborted")
-                    return
-                time.sleep(delay_s)
-                stream.put(KVPiece(layer, a, b, flat[layer, :, a:b].contiguous()))
-                step += 1
+        for step, piece in enumerate(iter_pieces(h, chunks)):
+            if step == fail_at:
+                stream.fail("the request was aborted")
+                return
+            time.sleep(delay_s)
+            stream.put(piece)
         stream.finish(
             KVHandle(
                 h.request_id,

@@ -109,6 +109,36 @@ def test_engine_handoff_over_grpc_gives_solo_tokens(make_engine, client):
     assert [handle.token_ids[-1], *got] == solo
 
 
+@pytest.mark.parametrize("buffer_mb", [None, 0, 64])  # unbounded, always spills, room enough
+def test_an_engine_stream_within_its_buffer_bound_gives_solo_tokens(make_engine, client, buffer_mb):
+    prompt = list(range(5, 40))
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True)
+    (solo,) = make_engine().generate([prompt], params)
+    pre, dec = make_engine(role="prefill"), make_engine(role="decode")
+    lock = threading.Lock()
+    source = EngineKVSource(pre, lock, None if buffer_mb is None else buffer_mb << 20)
+    server = get_transport("grpc").serve(source)
+    try:
+        stream = source.open_stream("r", len(prompt))
+        with lock:  # the receiver attaches late: every piece is queued first
+            pre.add_request("r", prompt, params, kv_sink=stream)
+            while pre.has_unfinished:
+                pre.step()
+        handle, _ = client.pull_stream(server.address, "r", dec.fingerprint, 10)
+        client.release(server.address, "r", 5)
+        stats = source.stream_stats()
+        assert stats["open"] == 0 and pre.blocks.num_used_blocks == 0
+        if buffer_mb is not None:
+            assert stats["spilled"] == (buffer_mb == 0) and stats["queued_bytes"] == 0
+    finally:
+        server.stop()
+    dec.add_request("r", prompt, params, kv_handle=handle)
+    got = []
+    while dec.has_unfinished:
+        got += [t for o in dec.step() for t in o.new_token_ids]
+    assert [handle.token_ids[-1], *got] == solo
+
+
 def test_transport_registry_names_valid_choices():
     with pytest.raises(ValueError, match="choose one of: grpc"):
         get_transport("carrier-pigeon")

@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 
-from kvtransfer.stream import StreamFailedError
+from kvtransfer.stream import StreamBuffer, StreamFailedError, piece_bytes
 from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from tests.kvtransfer import sender_proc
-from tests.kvtransfer.kv_fixtures import DictSource, feed, random_handle
+from tests.kvtransfer.kv_fixtures import DictSource, feed, iter_pieces, random_handle
 
 LAYOUTS = [
     dict(),
@@ -95,6 +95,59 @@ def test_a_receiver_that_comes_late_gets_everything(transport):
     finally:
         server.stop()
     assert _same_kv(got, h)
+
+
+def test_a_stream_past_the_buffer_bound_spills_and_still_arrives_byte_exact(transport):
+    t, client = transport
+    h = random_handle(n_blocks=7)
+    layer_piece = piece_bytes(next(iter_pieces(h, chunks=2)))
+    buffer = StreamBuffer(2 * layer_piece)  # room for two of the six pieces
+    src = DictSource({h.request_id: h})  # the held KV the spilled stream refills from
+    server = t.serve(src, "127.0.0.1", 0)
+    try:
+        stream = src.open_stream(h, buffer)
+        feed(stream, h, chunks=2).join()  # nobody reads yet: the third piece spills
+        assert stream.spilled and buffer.spilled == 1 and buffer.used == 0
+        got, _ = client.pull_stream(server.address, h.request_id, h.fingerprint, 10)
+    finally:
+        server.stop()
+    assert _same_kv(got, h) and buffer.used == 0
+
+
+def test_pieces_sent_before_a_spill_stay_valid_and_the_bound_is_given_back():
+    h = random_handle(layers=2, n_blocks=4)
+    pieces = list(iter_pieces(h, chunks=2))  # layer 0, 1 of the first half; then the second
+    buffer = StreamBuffer(piece_bytes(pieces[0]))  # one piece at a time
+    src = DictSource({h.request_id: h})
+    stream = src.open_stream(h, buffer)
+    stream.attach()
+    events = stream.events(time.monotonic() + 10)
+    stream.put(pieces[0])
+    assert next(events) is pieces[0]  # in flight: still counted
+    assert buffer.used == piece_bytes(pieces[0])
+    stream.put(pieces[1])  # over the bound while piece 0 is being sent: spills
+    for p in pieces[2:]:
+        stream.put(p)  # ignored: the end refills every layer
+    stream.finish(dataclasses.replace(h, blocks=torch.empty(0)))
+    rest = list(events)
+    assert buffer.used == 0 and buffer.spilled == 1
+    assert [(p.layer, p.token_start, p.token_end) for p in rest[:-1]] == [
+        (0, 0, h.num_computed), (1, 0, h.num_computed),
+    ]  # fmt: skip
+    flat = h.blocks.flatten(2, 3)
+    for p in rest[:-1]:
+        assert torch.equal(p.data, flat[p.layer, :, : h.num_computed])
+    assert rest[-1].blocks.numel() == 0  # the data-less final handle still ends it
+
+
+def test_a_spilled_stream_whose_hold_ended_fails():
+    h = random_handle(n_blocks=3)
+    src = DictSource({})  # the held KV is gone (released or expired) before the end is sent
+    stream = src.open_stream(h, StreamBuffer(0))
+    stream.attach()
+    feed(stream, h).join()
+    with pytest.raises(StreamFailedError, match="no longer held"):
+        list(stream.events(time.monotonic() + 10))
 
 
 def test_a_corrupted_piece_is_detected(transport):
