@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer import wire
-from kvtransfer.stream import StreamBusyError, StreamFailedError, attach_receiver
+from kvtransfer.stream import Heartbeat, StreamBusyError, StreamFailedError, attach_receiver
 from kvtransfer.transport import KVSource
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
@@ -58,7 +58,8 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 ChunkHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 # A layer-wise stream's messages over the group: a ``_meta`` tensor, then its bytes.
-_PIECE, _END, _FAILED, _TIMED_OUT = 1, 2, 3, 4  # what the bytes are (a piece, the trailer, why)
+# what the bytes are (a piece, the trailer, why it ended; a heartbeat carries none)
+_PIECE, _END, _FAILED, _TIMED_OUT, _ALIVE = 1, 2, 3, 4, 5
 _META_LEN = 7  # what, seq, layer, token_start, token_end, nbytes, checksum
 
 
@@ -302,6 +303,9 @@ class DistKVServer:
             for item in stream.events(deadline, alive):
                 if self._stopped.is_set():
                     break
+                if isinstance(item, Heartbeat):
+                    pg.send([_meta(_ALIVE, 0, 0, 0, 0, 0, 0).to(device)], 1, n).wait()
+                    continue
                 if isinstance(item, KVHandle):
                     trailer = wire.stream_trailer(item, seq, stream.finished_unix)
                     self._send_bytes(pg, n, _END, trailer)
@@ -462,8 +466,12 @@ class DistKVClient:
                 return run(pair)
             except (UnknownRequestError, LayoutMismatchError, StreamFailedError, StreamBusyError):
                 raise  # answered cleanly: the pair stays usable
-            except TimeoutError:
-                self._drop(pair)
+            except TimeoutError as e:
+                self._drop(pair)  # NOTE: the sender may still write into it
+                if isinstance(e, _StalledError):
+                    raise TimeoutError(
+                        f"the KV stream from {address} made no progress for {e} s"
+                    ) from None
                 raise TimeoutError(f"KV transfer from {address} passed its deadline") from None
             except wire.TransferError:
                 self._drop(pair)
@@ -479,15 +487,21 @@ class DistKVClient:
         return self._transfer(address, end, lambda p: self._receive(p, request_id, layout, end))
 
     def pull_stream(
-        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+        self,
+        address: str,
+        request_id: str,
+        layout: LayoutFingerprint,
+        timeout_s: float,
+        stall_s: float | None = None,
     ) -> tuple[KVHandle, float]:
         """Receive a request's KV layer by layer while the sender prefills it; returns the
         handle and the sender's ``finished_unix``. Raises as ``pull`` does; a second
-        receiver gets a TransferError, a prefill that ended without KV StreamFailedError."""
+        receiver gets a TransferError, a prefill that ended without KV StreamFailedError;
+        nothing (not even a heartbeat) for ``stall_s``: TimeoutError."""
         end = time.monotonic() + timeout_s
         try:
             return self._transfer(
-                address, end, lambda p: self._receive_stream(p, request_id, layout, end)
+                address, end, lambda p: self._receive_stream(p, request_id, layout, end, stall_s)
             )
         except StreamBusyError as e:
             raise wire.TransferError(str(e)) from None
@@ -525,7 +539,12 @@ class DistKVClient:
         return wire.handle_from(header, buf, layout)
 
     def _receive_stream(
-        self, pair: _Pair, request_id: str, layout: LayoutFingerprint, end: float
+        self,
+        pair: _Pair,
+        request_id: str,
+        layout: LayoutFingerprint,
+        end: float,
+        stall_s: float | None,
     ) -> tuple[KVHandle, float]:
         n, answer = self._ask(pair, "stream", request_id, layout, end)
         first = pb.StreamKVResponse.FromString(base64.b64decode(answer["header"]))
@@ -534,8 +553,16 @@ class DistKVClient:
         kind = answer["checksum"]
         meta = torch.empty(_META_LEN, dtype=torch.int64, device=device)
         while True:
-            _recv(pair, meta, n, end)
+            by = end if stall_s is None else min(end, time.monotonic() + stall_s)
+            try:
+                _recv(pair, meta, n, by)
+            except TimeoutError:
+                if by < end:
+                    raise _StalledError(stall_s) from None
+                raise
             what, seq, layer, a, b, nbytes, check = meta.tolist()
+            if what == _ALIVE:
+                continue
             if what == _PIECE:
                 asm.check(seq, layer, a, b, nbytes)
                 part = empty_bytes(nbytes, device)
@@ -574,6 +601,10 @@ class DistKVClient:
                 self._forget(p)
         for p in pairs:
             p.close()
+
+
+class _StalledError(TimeoutError):
+    """Nothing came on a stream for its stall timeout (the argument)."""
 
 
 def _recv(pair: _Pair, into: torch.Tensor, tag: int, end: float) -> None:

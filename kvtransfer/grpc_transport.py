@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -26,7 +26,7 @@ import grpc
 import grpc.experimental
 
 from kvtransfer import shm, wire
-from kvtransfer.stream import StreamBusyError, StreamFailedError, attach_receiver
+from kvtransfer.stream import Heartbeat, StreamBusyError, StreamFailedError, attach_receiver
 from kvtransfer.transport import KVSource
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
@@ -113,6 +113,9 @@ class _Servicer:
         seq = 0
         try:
             for item in stream.events(deadline, context.is_active):
+                if isinstance(item, Heartbeat):
+                    yield wire.STREAM_HEARTBEAT
+                    continue
                 if isinstance(item, KVHandle):
                     trailer = wire.stream_trailer(item, seq, stream.finished_unix)
                     yield self._hooked(trailer, pb.StreamKVResponse)
@@ -249,14 +252,24 @@ class GrpcKVClient:
             raise _map_error(e, address) from None
 
     def pull_stream(
-        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+        self,
+        address: str,
+        request_id: str,
+        layout: LayoutFingerprint,
+        timeout_s: float,
+        stall_s: float | None = None,
     ) -> tuple[KVHandle, float]:
         """Receive a request's KV layer by layer while it is prefilled; returns the handle
         and the sender's ``finished_unix``. Raises as ``pull`` does."""
         req = pb.StreamKVRequest(request_id=request_id, layout=wire.layout_to_proto(layout))
+        call = self._to(address).stream(req, timeout=timeout_s)
+        watch = StallWatch(stall_s, call.cancel)
         try:
-            return wire.decode_stream(self._to(address).stream(req, timeout=timeout_s), layout)
+            with watch:
+                return wire.decode_stream(watch.messages(call), layout)
         except grpc.RpcError as e:
+            if watch.stalled:
+                raise watch.error(address) from None
             raise _map_error(e, address) from None
 
     def release(self, address: str, request_id: str, timeout_s: float) -> None:
@@ -272,6 +285,42 @@ class GrpcKVClient:
             c.channel.close()
         if self._segments is not None:
             self._segments.close()
+
+
+class StallWatch:
+    """Cancels a receive (``cancel``) when no message came for ``stall_s`` (None: never):
+    a context manager around the read; ``messages`` marks each arrival."""
+
+    def __init__(self, stall_s: float | None, cancel: Callable[[], object]) -> None:
+        self.stall_s = stall_s
+        self.stalled = False
+        self._cancel = cancel
+        self._last = time.monotonic()
+        self._done = threading.Event()
+
+    def messages(self, it: Iterable[bytes]) -> Iterator[bytes]:
+        for m in it:
+            self._last = time.monotonic()
+            yield m
+
+    def error(self, address: str) -> TimeoutError:
+        return TimeoutError(f"the KV stream from {address} made no progress for {self.stall_s} s")
+
+    def _watch(self) -> None:
+        assert self.stall_s is not None
+        while not self._done.wait(min(1.0, self.stall_s / 4)):
+            if time.monotonic() - self._last > self.stall_s:
+                self.stalled = True
+                self._cancel()
+                return
+
+    def __enter__(self) -> StallWatch:
+        if self.stall_s is not None:
+            threading.Thread(target=self._watch, name="kv-stall-watch", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
 
 
 def _map_error(e: grpc.RpcError, address: str) -> Exception:

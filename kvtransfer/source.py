@@ -4,6 +4,7 @@ layer-wise streams."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from kvtransfer.stream import KVStream, StreamBuffer
 from services.engine.engine import Engine
@@ -20,11 +21,18 @@ class EngineKVSource:
             the transport server calls in from its own threads).
         stream_buffer_bytes: bound on the pieces queued across the open streams (a stream
             that would pass it spills: see ``kvtransfer.stream``); None = unbounded.
+        progressing: whether the engine makes progress (streams send heartbeats only then);
+            None = always.
     """
 
     def __init__(
-        self, engine: Engine, lock: threading.Lock, stream_buffer_bytes: int | None = None
+        self,
+        engine: Engine,
+        lock: threading.Lock,
+        stream_buffer_bytes: int | None = None,
+        progressing: Callable[[], bool] | None = None,
     ) -> None:
+        self.progressing = progressing
         self.engine = engine
         self.lock = lock
         self.buffer = None if stream_buffer_bytes is None else StreamBuffer(stream_buffer_bytes)
@@ -67,6 +75,7 @@ class EngineKVSource:
             close,
             self.buffer,
             lambda: self._export(request_id),
+            self.progressing,
         )
         with self._streams_lock:
             self._streams[request_id] = stream

@@ -11,6 +11,11 @@ waits for a peer): the stream drops what it has queued, takes no more pieces, an
 sends every layer from the request's held KV (``refill``), as a whole pull would. Pieces
 already sent stay valid: a receiver applies pieces in order, a later one over an earlier one.
 
+Progress: while a sender waits for pieces it sends a heartbeat every ``HEARTBEAT_S``, as long
+as its engine is making progress (``progressing``: a queued prefill is not a stalled one). A
+receiver that hears nothing for its stall timeout (``kv_stream_stall_s``) gives up: the
+sender hangs, its engine stalls, or the network dropped the stream without closing it.
+
 Lifecycle: open (registered by the prefill replica before it names its KV address) ->
 attached (one receiver; a second is refused) -> finished (the final handle is queued after
 the last piece) -> closed by ``fail`` (aborted, finished at the first token, released, lease
@@ -30,6 +35,15 @@ from kvtransfer.wire import TransferError, check_layout
 from services.engine.errors import UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_stream import KVPiece
+
+HEARTBEAT_S = 2.0  # a receiver's stall timeout must be several of these (config: >= 10 s)
+
+
+class Heartbeat:
+    """What ``KVStream.events`` yields while waiting: the sender and its engine are alive."""
+
+
+HEARTBEAT = Heartbeat()
 
 
 class StreamFailedError(TransferError):
@@ -109,6 +123,8 @@ class KVStream:
     buffer: the replica's bound on queued pieces; None = unbounded.
     refill: the request's held KV with block data, once the prefill is done (what a spilled
         stream sends at its end); raises ``UnknownRequestError`` once the hold has ended.
+    progressing: whether the engine makes progress (heartbeats are sent only then); None =
+        always.
     """
 
     def __init__(
@@ -119,6 +135,7 @@ class KVStream:
         on_close: Callable[[], None] | None = None,
         buffer: StreamBuffer | None = None,
         refill: Callable[[], KVHandle] | None = None,
+        progressing: Callable[[], bool] | None = None,
     ) -> None:
         assert buffer is None or refill is not None, "a bounded stream must be able to refill"
         self.request_id = request_id
@@ -133,6 +150,7 @@ class KVStream:
         self._attached = False
         self._buffer = buffer
         self._refill = refill
+        self._progressing = progressing or (lambda: True)
         self._queued_bytes = 0  # of the pieces in _items (taken from the buffer)
         self._spilled = False
 
@@ -196,24 +214,41 @@ class KVStream:
             return not self._finished
 
     def events(
-        self, deadline: float, alive: Callable[[], bool] = lambda: True
-    ) -> Iterator[KVPiece | KVHandle]:
-        """Pieces in order, then the final handle. ``deadline`` is ``time.monotonic()``;
+        self,
+        deadline: float,
+        alive: Callable[[], bool] = lambda: True,
+        heartbeat_s: float | None = None,
+    ) -> Iterator[KVPiece | KVHandle | Heartbeat]:
+        """Pieces in order, then the final handle; ``HEARTBEAT`` after every ``heartbeat_s``
+        spent waiting while the engine makes progress. ``deadline`` is ``time.monotonic()``;
         ``alive`` is polled while waiting (False: the receiver went away, stop quietly).
 
         Raises:
             StreamFailedError: the stream closed before the final handle.
             TimeoutError: the deadline passed first.
         """
+        heartbeat_s = heartbeat_s or HEARTBEAT_S
+        last = time.monotonic()  # of the last thing yielded
         while True:
+            beat = False
             with self._cond:
                 while not self._items and self._failed is None:
-                    left = deadline - time.monotonic()
+                    now = time.monotonic()
+                    left = deadline - now
                     if left <= 0:
                         raise TimeoutError(f"the KV stream of {self.request_id!r} timed out")
                     if not alive():
                         return
-                    self._cond.wait(min(left, 0.25))
+                    if now - last >= heartbeat_s:
+                        beat = True
+                        break
+                    self._cond.wait(min(left, 0.25, heartbeat_s - (now - last)))
+            if beat:
+                last = time.monotonic()
+                if self._progressing():  # NOTE: outside the lock: it may read engine state
+                    yield HEARTBEAT
+                continue
+            with self._cond:
                 if not self._items:
                     raise StreamFailedError(str(self._failed))
                 item = self._items.popleft()
@@ -230,6 +265,7 @@ class KVStream:
             finally:  # sent (or the receiver went away): its bytes leave the bound
                 if self._buffer is not None:
                     self._buffer.give(n)
+            last = time.monotonic()
 
     def _held_kv(self) -> KVHandle:
         assert self._refill is not None

@@ -73,12 +73,18 @@ class StreamingKVClient(KVClient, Protocol):
     """A client of a transport whose ``streaming`` is True."""
 
     def pull_stream(
-        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+        self,
+        address: str,
+        request_id: str,
+        layout: LayoutFingerprint,
+        timeout_s: float,
+        stall_s: float | None = None,
     ) -> tuple[KVHandle, float]:
         """Receive a request's KV layer by layer while the sender prefills it (the sender
         opened the stream first); returns the handle and when the sender finished computing
         it (Unix seconds). Raises as ``pull`` does; ``kvtransfer.stream.StreamFailedError``
-        (a TransferError) when the prefill ended without KV to hand over."""
+        (a TransferError) when the prefill ended without KV to hand over; TimeoutError when
+        nothing came, not even a heartbeat, for ``stall_s`` (None: only ``timeout_s``)."""
         ...
 
 

@@ -419,6 +419,9 @@ def stream_header(request_id: str, fp: LayoutFingerprint, num_tokens: int) -> by
     return pb.StreamKVResponse(header=h).SerializeToString()
 
 
+STREAM_HEARTBEAT = pb.StreamKVResponse(heartbeat=pb.StreamKVHeartbeat()).SerializeToString()
+
+
 def piece_parts(piece: KVPiece, max_bytes: int) -> list[tuple[int, int, torch.Tensor]]:
     """One layer piece split by position so that no part carries more than ``max_bytes`` (a
     long prompt's layer can exceed a message limit): (token_start, token_end, the part's
@@ -536,8 +539,13 @@ def decode_stream(messages: Iterable[bytes], expected: LayoutFingerprint) -> tup
         frame = read_data_frame(raw, 2)
         if frame is None:
             msg = pb.StreamKVResponse.FromString(raw)
-            if msg.WhichOneof("msg") != "trailer":
-                raise TransferError("a second header in the stream")
+            kind = msg.WhichOneof("msg")
+            if kind == "heartbeat":  # the sender waits for its prefill: progress all the same
+                continue
+            if kind != "trailer":
+                raise TransferError(
+                    f"a {kind or 'empty message'} where a piece or the trailer was due"
+                )
             return asm.finish(msg.trailer)
         f, data = frame
         seq, layer, a, b = f.get(1, 0), f.get(2, 0), f.get(3, 0), f.get(4, 0)

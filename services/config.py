@@ -227,6 +227,13 @@ class ServeConfig(BaseModel):
         "sent; a stream that would pass it stops queueing and sends its KV from the held "
         "blocks once the prefill ends (as a whole pull)",
     )
+    kv_stream_stall_s: float = Field(
+        30.0,
+        ge=10,
+        description="a decode replica gives up a layer-wise KV stream that brought nothing for "
+        "this long (a prefill replica sends a heartbeat every 2 s while its engine makes "
+        "progress, so a queued prefill is not a stalled one)",
+    )
     kv_hold_timeout_s: float = Field(
         60.0, gt=0, description="prefill keeps unclaimed KV this long, then frees it"
     )

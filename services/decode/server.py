@@ -95,6 +95,7 @@ class DecodeServer(EngineReplica):
                     spec.request_id,
                     fp,
                     self.cfg.request_timeout_s,  # NOTE: it spans the prefill's own time
+                    self.cfg.kv_stream_stall_s,  # nothing, not even a heartbeat: give up
                 )
                 # NOTE: wall clocks of two hosts; clamped, since only the excess is exposed
                 return handle, max(0.0, time.time() - finished_unix)

@@ -20,6 +20,7 @@ from kvtransfer.source import EngineKVSource
 from kvtransfer.stream import KVStream
 from kvtransfer.transport import get_transport
 from services.config import ServeConfig
+from services.engine.async_engine import EngineStalledError
 from services.engine.request import FinishReason, RequestOutput
 from services.pd_flow import GenerateSpec, PrefillResult, PrefillStarted, RouteHint
 from services.replica import EngineReplica, node_ip, open_index
@@ -34,7 +35,7 @@ class PrefillServer(EngineReplica):
         transport = get_transport(cfg.kv_transport)  # NOTE: raises if it cannot work here
         self.metrics.observe_self_test(self_test(transport, self.engine.engine.fingerprint))
         self.kv_source = EngineKVSource(
-            self.engine.engine, self.engine.lock, cfg.kv_stream_buffer_mb << 20
+            self.engine.engine, self.engine.lock, cfg.kv_stream_buffer_mb << 20, self._progressing
         )
         self.streaming = transport.streaming
         options: dict[str, Any] = {"lease_s": cfg.kv_hold_timeout_s}
@@ -44,6 +45,15 @@ class PrefillServer(EngineReplica):
             # threads let 4 long prefills starve every other transfer)
             options["max_workers"] = cfg.prefill.max_num_seqs + 4
         self.kv_server = transport.serve(self.kv_source, node_ip(), cfg.kv_port, **options)
+
+    def _progressing(self) -> bool:
+        """The engine loop runs and steps (streams send heartbeats only then): half the
+        receivers' stall timeout without a finished step counts as stalled."""
+        try:
+            self.engine.check_alive(self.cfg.kv_stream_stall_s / 2)
+        except EngineStalledError:
+            return False
+        return True
 
     async def prefill(self, spec: GenerateSpec, route: RouteHint | None = None) -> PrefillResult:
         """``route`` is read by the request router in the caller's process, not here."""

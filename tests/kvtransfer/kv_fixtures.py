@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -43,15 +43,23 @@ class DictSource:
     def stream_attached(self, early: bool) -> None:
         self.attached.append(early)
 
-    def open_stream(self, h: KVHandle, buffer: StreamBuffer | None = None) -> KVStream:
-        """``buffer``: the stream is bounded; it refills from ``handles`` (the held KV)."""
+    def open_stream(
+        self,
+        h: KVHandle,
+        buffer: StreamBuffer | None = None,
+        progressing: Callable[[], bool] | None = None,
+    ) -> KVStream:
+        """``buffer``: the stream is bounded; it refills from ``handles`` (the held KV).
+        ``progressing``: the sender's engine makes progress (None: always)."""
 
         def held() -> KVHandle:
             if h.request_id not in self.handles:
                 raise UnknownRequestError(h.request_id)
             return self.handles[h.request_id]
 
-        stream = KVStream(h.request_id, h.fingerprint, h.num_computed, None, buffer, held)
+        stream = KVStream(
+            h.request_id, h.fingerprint, h.num_computed, None, buffer, held, progressing
+        )
         self.streams[h.request_id] = stream
         return stream
 

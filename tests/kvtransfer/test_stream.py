@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import kvtransfer.stream
 from kvtransfer.stream import StreamBuffer, StreamFailedError, piece_bytes
 from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
@@ -44,12 +45,12 @@ def _same_kv(got, h) -> bool:
     return torch.equal(got.blocks.flatten(2, 3)[:, :, :n], h.blocks.flatten(2, 3)[:, :, :n])
 
 
-def _pull_in_thread(client, address, rid, fp, timeout_s=20.0):
+def _pull_in_thread(client, address, rid, fp, timeout_s=20.0, stall_s=None):
     box: dict = {}
 
     def run() -> None:
         try:
-            box["result"] = client.pull_stream(address, rid, fp, timeout_s)
+            box["result"] = client.pull_stream(address, rid, fp, timeout_s, stall_s)
         except Exception as e:
             box["error"] = e
         box["at"] = time.time()
@@ -148,6 +149,49 @@ def test_a_spilled_stream_whose_hold_ended_fails():
     feed(stream, h).join()
     with pytest.raises(StreamFailedError, match="no longer held"):
         list(stream.events(time.monotonic() + 10))
+
+
+@pytest.fixture
+def fast_heartbeats(monkeypatch):
+    monkeypatch.setattr(kvtransfer.stream, "HEARTBEAT_S", 0.1)
+
+
+def test_heartbeats_keep_a_queued_prefill_s_stream_alive_past_the_stall_timeout(
+    transport, fast_heartbeats
+):
+    t, client = transport
+    h = random_handle(n_blocks=5)
+    src = DictSource({})
+    server = t.serve(src, "127.0.0.1", 0)
+    try:
+        stream = src.open_stream(h)
+        th, box = _pull_in_thread(client, server.address, h.request_id, h.fingerprint, stall_s=0.6)
+        # the prefill waits 1.5 s in its engine's queue (simulated time, not synchronization):
+        # no piece comes, only heartbeats
+        time.sleep(1.5)
+        feed(stream, h).join()
+        th.join(20)
+    finally:
+        server.stop()
+    assert "error" not in box, box
+    assert _same_kv(box["result"][0], h)
+
+
+def test_a_stream_whose_sender_makes_no_progress_fails_at_the_stall_timeout(
+    transport, fast_heartbeats
+):
+    t, client = transport
+    h = random_handle(n_blocks=5)
+    src = DictSource({})
+    server = t.serve(src, "127.0.0.1", 0)
+    try:
+        src.open_stream(h, progressing=lambda: False)  # a stalled engine: no heartbeats
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"no progress for 0\.6 s"):
+            client.pull_stream(server.address, h.request_id, h.fingerprint, 20, stall_s=0.6)
+        assert time.monotonic() - start < 10  # the stall timeout, long before the deadline
+    finally:
+        server.stop()
 
 
 def test_a_corrupted_piece_is_detected(transport):

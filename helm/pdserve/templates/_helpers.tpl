@@ -128,6 +128,7 @@ kv_hold_timeout_s: {{ $s.kvHoldTimeoutS }}
 kv_host_buffer_mb: {{ $s.kvHostBufferMb }}
 kv_pull_budget_mb: {{ $s.kvPullBudgetMb }}
 kv_stream_buffer_mb: {{ $s.kvStreamBufferMb }}
+kv_stream_stall_s: {{ $s.kvStreamStallS }}
 request_timeout_s: {{ $s.requestTimeoutS }}
 resume_timeout_s: {{ $s.resumeTimeoutS }}
 shutdown_grace_s: {{ $s.shutdownGraceS }}

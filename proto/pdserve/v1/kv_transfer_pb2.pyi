@@ -113,14 +113,20 @@ class KVLayerPiece(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class StreamKVResponse(_message.Message):
-    __slots__ = ("header", "piece", "trailer")
+    __slots__ = ("header", "piece", "trailer", "heartbeat")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     header: KVHeader
     piece: KVLayerPiece
     trailer: KVHeader
-    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., piece: _Optional[_Union[KVLayerPiece, _Mapping]] = ..., trailer: _Optional[_Union[KVHeader, _Mapping]] = ...) -> None: ...
+    heartbeat: StreamKVHeartbeat
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., piece: _Optional[_Union[KVLayerPiece, _Mapping]] = ..., trailer: _Optional[_Union[KVHeader, _Mapping]] = ..., heartbeat: _Optional[_Union[StreamKVHeartbeat, _Mapping]] = ...) -> None: ...
+
+class StreamKVHeartbeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("request_id",)
