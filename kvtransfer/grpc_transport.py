@@ -163,7 +163,7 @@ class GrpcKVServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS
         )
-        servicer = _Servicer(source, chunk_bytes, message_hook, self.segments)
+        servicer = self._servicer = _Servicer(source, chunk_bytes, message_hook, self.segments)
         # NOTE: registered by hand, not with the generated helper: the data-carrying streams
         # send bytes framed by ``wire`` (one copy) instead of protobuf messages.
         handlers = {
@@ -191,6 +191,10 @@ class GrpcKVServer:
     @property
     def address(self) -> str:
         return self._address
+
+    def set_message_hook(self, hook: MessageHook | None) -> None:
+        """Install (or remove: None) the fault-injection hook on a running server."""
+        self._servicer.hook = hook
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._server.stop(grace_s).wait(grace_s + 1.0)

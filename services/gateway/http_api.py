@@ -39,6 +39,26 @@ def error_body(status: int, message: str, param: str | None = None) -> JSONRespo
     )
 
 
+class SourceClosingResponse(StreamingResponse):
+    """A stream whose body and source (the request's token flow: its admission slot, its
+    replicas' work) are closed however the response ends. Invariant: the slot is given back
+    as the client goes away. Starlette cancels the body's consumer on a disconnect without
+    closing the body (suspended at a ``yield`` while a send waits; or never started), whose
+    ``finally`` closes the source, so the flow stayed open until garbage collection: 2 slots
+    of 16 were still held 40 s after a cancel storm."""
+
+    def __init__(self, content: AsyncIterator[str], source: Any, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._source = source
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._source.aclose()  # NOTE: the body's own finally does not run unstarted
+
+
 def build_http_app(gw: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -203,8 +223,8 @@ def build_http_app(gw: Gateway) -> FastAPI:
         # NOTE: start the flow before answering 200, so prefill errors still get a status code.
         it = chunks.__aiter__()
         first = await it.__anext__()
-        return StreamingResponse(
-            sse(spec, rid, created, chat, first, it, timing), media_type="text/event-stream"
+        return SourceClosingResponse(
+            sse(spec, rid, created, chat, first, it, timing), it, media_type="text/event-stream"
         )
 
     async def sse(spec, rid, created, chat, first, it, timing) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]

@@ -12,6 +12,7 @@ replica receives it while the prefill runs; the blocks are still held until rele
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from services.config import ServeConfig
 from services.engine.async_engine import EngineStalledError
 from services.engine.request import FinishReason, RequestOutput
 from services.pd_flow import GenerateSpec, PrefillResult, PrefillStarted, RouteHint
-from services.replica import EngineReplica, node_ip, open_index
+from services.replica import EngineReplica, node_ip, open_index, replica_identity
 
 
 class PrefillServer(EngineReplica):
@@ -97,6 +98,38 @@ class PrefillServer(EngineReplica):
             prefill_s=prefill_s,
             num_cached_tokens=out.num_cached_tokens,
         )
+
+    def corrupt_next_kv_pieces(self, n: int) -> str:
+        """Fault injection (the fault suite and ``bench/fault_bench.py``): flip one bit in each
+        of the next ``n`` KV data messages this replica sends (stream pieces or pull chunks),
+        as a bad NIC or memory would; receivers must catch it by checksum. gRPC transport.
+        Returns this replica's identity (which replica the call reached)."""
+        server = self.kv_server
+        if not hasattr(server, "set_message_hook") or self.cfg.kv_transport != "grpc":
+            raise ValueError(
+                f"corruption is injected on the grpc transport only, not {self.cfg.kv_transport!r}"
+            )
+        left = [n]
+        lock = threading.Lock()
+
+        def flip(msg: Any) -> Any:
+            kind = msg.WhichOneof("msg")
+            part = msg.piece if kind == "piece" else msg.chunk if kind == "chunk" else None
+            if part is None or not part.data:
+                return msg
+            with lock:
+                if left[0] <= 0:
+                    return msg
+                left[0] -= 1
+                if left[0] == 0:
+                    server.set_message_hook(None)
+            data = bytearray(part.data)
+            data[len(data) // 2] ^= 0x08
+            part.data = bytes(data)
+            return msg
+
+        server.set_message_hook(flip if n > 0 else None)
+        return replica_identity()
 
     def kv_stream_stats(self) -> dict[str, int]:
         """Layer-wise streams: receivers that attached while the prefill ran ("early": the
