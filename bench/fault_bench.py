@@ -6,6 +6,7 @@ Starts a local Ray cluster, a real ``redis-server`` (the prefix index) and one p
 of requests (prompt, seed; temperature 0.8, ``ignore_eos``) to get each request's reference
 tokens, and then each scenario over the same requests:
 
+    0. steady        no fault: the control (the same load by itself)
     a. decode-kill   a decode replica is killed (no goodbye) every ``--kill-every-s``
     b. prefill-kill  a prefill replica is killed once, early in the run
     c. redis-restart the prefix index's redis-server is killed and started again
@@ -442,6 +443,13 @@ def _once(
 def scenarios(args: argparse.Namespace, reqs: list[Req]) -> dict[str, Scenario]:
     every, steady, at = args.kill_every_s, args.duration_s, 5.0
     return {
+        "0": Scenario(
+            "steady",
+            "no fault (the control: what the same steady load does by itself)",
+            reqs,
+            args.clients,
+            duration_s=steady,
+        ),
         "a": Scenario(
             "decode-kill",
             f"a decode replica killed every {every:.0f} s",
@@ -534,7 +542,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--scenarios", default="a,b,c,d,e,f")
+    ap.add_argument("--scenarios", default="0,a,b,c,d,e,f", help="0 = the no-fault control")
     ap.add_argument("--requests", type=int, default=24, help="distinct (prompt, seed) requests")
     ap.add_argument("--clients", type=int, default=4, help="closed-loop clients (steady load)")
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -544,6 +552,11 @@ def main() -> None:
     ap.add_argument("--hold-timeout-s", type=float, default=10.0)
     ap.add_argument("--slo-ttft-s", type=float, default=3.0)
     ap.add_argument("--slo-itl-s", type=float, default=0.5)
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="serve with batch_invariant: a seeded request's tokens independent of its batch",
+    )
     ap.add_argument("--port", type=int, default=18531)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -570,6 +583,7 @@ def main() -> None:
             "redis_url": redis_.url,
             "kv_hold_timeout_s": args.hold_timeout_s,
             "max_inflight_requests": args.max_inflight,
+            "batch_invariant": args.batch_invariant,
         },
         environ={},
     )
@@ -620,7 +634,7 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
         ("requests", "requests"), ("completed", "completed"), ("resumed", "resumed"),
         ("reprefilled", "re-prefilled"),
         ("refused", "429"), ("failed", "explicit error"), ("cancelled", "cancelled"),
-        ("truncated", "silently truncated"), ("mismatched", "tokens lost/dup (requests)"),
+        ("truncated", "silently truncated"), ("mismatched", "differ from fault-free pass (requests)"),
         ("blocks_used", "blocks leaked"), ("held", "KV held"), ("gateway_slots", "slots leaked"),
         ("ttft_p99_s", "TTFT p99 s"), ("itl_p99_s", "ITL p99 s"), ("goodput_req_s", "goodput req/s"),
     ]  # fmt: skip

@@ -119,6 +119,13 @@ class ServeConfig(BaseModel):
         description="disaggregated mode: prompts shorter than this many (uncached) tokens are "
         "prefilled on the decode replica itself; 0 disables",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="CPU: every row runs the same quantized kernels whatever the batch, so a "
+        "seeded request's tokens do not depend on the requests it is batched with (a resumed "
+        "request's replay then matches under any load); costs prefill speed (no fp32 packed "
+        "GEMMs for batches over 16 rows). Prefix-cache hits can still change the rounding",
+    )
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = bfloat16 on GPUs and CPUs with native bf16, else float32"
@@ -305,6 +312,7 @@ class ServeConfig(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             threads=pool.threads,
             kv_hold_timeout_s=self.kv_hold_timeout_s,
+            prepack_weights=not self.batch_invariant,
         )
 
 

@@ -105,6 +105,7 @@ conditional_threshold: {{ $s.conditionalThreshold }}
 block_size: {{ $s.blockSize }}
 dtype: {{ $s.dtype }}
 quantization: {{ $s.quantization }}
+batch_invariant: {{ $s.batchInvariant }}
 kv_cache_dtype: {{ $s.kvCacheDtype }}
 device: {{ if $gpu }}cuda{{ else }}cpu{{ end }}
 speculative_tokens: {{ $s.speculativeTokens }}
