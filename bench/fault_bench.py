@@ -37,7 +37,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +53,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.serving_bench import pct  # noqa: E402
+from tests.fixtures import start_redis  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = [
@@ -208,13 +210,6 @@ async def run_requests(
     return outcomes, wall
 
 
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
-
-
 def judge(
     outcomes: list[Outcome],
     reference: dict[tuple[int, int], list[int]],
@@ -366,35 +361,7 @@ class Redis:
         self.url = f"redis://127.0.0.1:{port}/0"
 
     def start(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed (deploy/setup.sh installs it)")
-        self.proc = subprocess.Popen(
-            [
-                exe,
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        import redis
-
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                redis.Redis.from_url(self.url, socket_timeout=0.5).ping()
-                return
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)  # waiting for a server we started
+        self.proc = start_redis(self.port)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
