@@ -2,7 +2,8 @@
 
 Measures in one run, beside the anchors (every engine on the same weights, one thread):
   - pdserve's default (``quantization: auto``: the GGUF's Q4_1 linears and Q8_0 embedding
-    computed by pdserve's kernels) and pdserve fp32 (``quantization: none``, the GGUF
+    computed by pdserve's kernels; batch-invariant), the same with kernels chosen by step size
+    (``batch_invariant: false``), and pdserve fp32 (``quantization: none``, the GGUF
     dequantized), against HF transformers fp32 and bf16 and llama.cpp (llama-cpp-python on the
     same GGUF file, when installed);
   - TTFT at 128 / 512 / 2,048-token prompts; the compute floor 2 x params x tokens at the
@@ -292,6 +293,8 @@ def main() -> None:
     cfg = dict(num_kv_blocks=4096, max_num_batched_tokens=2048, max_num_seqs=64)
     engines = {
         "pdserve-default": Engine.from_path(None, EngineConfig(**cfg)),
+        # kernels by step size, not by row role: faster above 16 rows, not batch-invariant
+        "pdserve-by-size": Engine.from_path(None, EngineConfig(batch_invariant=False, **cfg)),
         "pdserve-fp32": Engine.from_path(None, EngineConfig(quantization="none", **cfg)),
     }
     anchors = make_anchors()

@@ -119,12 +119,14 @@ class ServeConfig(BaseModel):
         description="disaggregated mode: prompts shorter than this many (uncached) tokens are "
         "prefilled on the decode replica itself; 0 disables",
     )
-    batch_invariant: bool = Field(
-        False,
-        description="CPU: every row runs the same quantized kernels whatever the batch, so a "
-        "seeded request's tokens do not depend on the requests it is batched with (a resumed "
-        "request's replay then matches under any load); costs prefill speed (no fp32 packed "
-        "GEMMs for batches over 16 rows). Prefix-cache hits can still change the rounding",
+    batch_invariant: bool | Literal["auto"] = Field(
+        "auto",
+        description="each linear's kernel chosen by the row's role (prompt rows: packed GEMMs; "
+        "generated rows: the decode kernels) instead of by the step's size, so a seeded "
+        "request's tokens do not depend on the requests it is batched with (a resumed "
+        "request's replay then matches under any load). auto: on with the cpu attention "
+        "backend (the CPU default); true elsewhere is refused. Costs decode speed above 16 "
+        "rows a step; prefix-cache hits can still change the rounding",
     )
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -312,7 +314,7 @@ class ServeConfig(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             threads=pool.threads,
             kv_hold_timeout_s=self.kv_hold_timeout_s,
-            prepack_weights=not self.batch_invariant,
+            batch_invariant=self.batch_invariant,
         )
 
 

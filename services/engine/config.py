@@ -189,6 +189,10 @@ class EngineConfig:
     # CPU: also keep oneDNN-packed weights for batched steps (about 2x the weight memory,
     # up to 2x faster batched decode and prefill); off keeps one copy
     prepack_weights: bool = True
+    # each linear's kernel by the row's role (prompt or generated) instead of by the step's
+    # size, so a request's tokens do not depend on its batch (services.engine.row_roles);
+    # implemented with the ``cpu`` attention backend; "auto": on wherever that backend runs
+    batch_invariant: bool | Literal["auto"] = "auto"
     # prompt-lookup speculative decoding: up to this many draft tokens per decode step, taken
     # from the request's own earlier tokens (services.engine.ngram); 0 = off. Lossless.
     speculative_tokens: int = 0

@@ -65,6 +65,20 @@ def can_prepack(device: str, dtype: torch.dtype) -> bool:
     return True
 
 
+def resolve_batch_invariant(setting: bool | str, backend: str) -> bool:
+    """``auto`` -> on with the ``cpu`` attention backend, whose every kernel computes a row on
+    its own; elsewhere (GPU kernels pick tilings and reduction splits by batch size) it is not
+    implemented, and asking for it is an error rather than a promise not kept."""
+    if setting == "auto":
+        return backend == "cpu"
+    if setting and backend != "cpu":
+        raise ValueError(
+            f"batch_invariant is implemented by the 'cpu' attention backend only, not by "
+            f"{backend!r}; use batch_invariant auto or false"
+        )
+    return bool(setting)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     num_running: int
@@ -118,6 +132,7 @@ class Engine:
                 f"kv_cache_dtype int8 is not implemented by the {self.backend.name!r} attention "
                 "backend; use kv_cache_dtype auto, or attention_backend torch or cpu"
             )
+        self.batch_invariant = resolve_batch_invariant(config.batch_invariant, self.backend.name)
         num_blocks = self._num_kv_blocks(config, dtype)
         self.cache = KVCache(
             mc.num_layers,
@@ -142,6 +157,7 @@ class Engine:
             self.cache.scratch_block,
             config.device,
             mc.sliding_window,
+            self.batch_invariant,
         )
         graphs = None
         on_cuda = torch.device(config.device).type == "cuda"

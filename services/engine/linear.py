@@ -1,6 +1,7 @@
 """The linear layers of the model: dense (fp32 / bf16 / fp16) and weight-only quantized.
 
 ``make_linear`` picks by the weight's type; the model never branches on the format.
+Kernel choice: see ``services.engine.row_roles``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Protocol
 import torch
 
 from services.engine.quant import QuantLinear, QuantWeight
+from services.engine.row_roles import RowRoles
 
 # NOTE: below this many rows a plain product over [in, out] weights is fastest (it runs as a
 # matrix-vector product); from here on oneDNN's pre-packed weights win, because an unpacked GEMM
@@ -25,7 +27,7 @@ class LinearLayer(Protocol):
         """Bytes of weights (and bias) one pass reads."""
         ...
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor: ...
 
 
 class Linear:
@@ -42,8 +44,10 @@ class Linear:
         n = self.w_t.numel() + (self.bias.numel() if self.bias is not None else 0)
         return n * self.w_t.element_size()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
+    def __call__(self, x: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
+        # NOTE: with roles every row runs the packed GEMM: the plain product rounds rows
+        # differently below 4 rows (MKL's matrix-vector path), oneDNN's does not
+        if self.packed is not None and (roles is not None or x.shape[0] >= PACKED_MIN_ROWS):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return torch.addmm(self.bias, x, self.w_t) if self.bias is not None else x @ self.w_t
 

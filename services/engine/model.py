@@ -21,6 +21,7 @@ from services.engine.layer_ops import rms_norm as rms_norm  # re-exported (tests
 from services.engine.linear import LinearLayer, Weight, fuse, make_linear
 from services.engine.quant import QuantWeight
 from services.engine.rope import Rotary
+from services.engine.row_roles import RowRoles
 
 # (layer, keys, values) of the step's tokens, called once the layer's KV is in the cache
 LayerHook = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -180,6 +181,8 @@ class LlamaModel:
         backend: Backend,
         logits_idx: torch.Tensor,  # [num_sampled] rows whose next-token logits are needed
         layer_hook: LayerHook | None = None,
+        roles: RowRoles | None = None,  # of the rows; None: kernels by batch size
+        sampled_roles: RowRoles | None = None,  # of the rows logits_idx names
     ) -> torch.Tensor:
         """Returns fp32 logits [num_sampled, vocab]. ``layer_hook(i, k, v)`` runs right after
         layer i's keys and values ([num_tokens, kv_heads, head_dim]) are in the cache.
@@ -196,7 +199,7 @@ class LlamaModel:
         attention.prepare(meta)
         for i, lw in enumerate(self.layers):
             h, residual = ops.add_rms_norm(x, residual, lw.attn_norm, eps)
-            q, k, v = lw.qkv(h).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q, k, v = lw.qkv(h, roles).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q, k = ops.rope_and_cache(
                 q.view(n, cfg.num_heads, cfg.head_dim),
                 k.view(n, cfg.num_kv_heads, cfg.head_dim),
@@ -208,9 +211,9 @@ class LlamaModel:
             )
             if layer_hook is not None:
                 layer_hook(i, k, v.view(n, cfg.num_kv_heads, cfg.head_dim))
-            x = lw.o(attention.forward(q, cache, i, meta).reshape(n, self.q_size))
+            x = lw.o(attention.forward(q, cache, i, meta).reshape(n, self.q_size), roles)
             h, residual = ops.add_rms_norm(x, residual, lw.mlp_norm, eps)
-            x = lw.down(ops.silu_and_mul(lw.gate_up(h)))
+            x = lw.down(ops.silu_and_mul(lw.gate_up(h, roles)), roles)
         assert residual is not None
         h, _ = ops.add_rms_norm(x[logits_idx], residual[logits_idx], self.norm, eps)
-        return self.lm_head(h).float()
+        return self.lm_head(h, sampled_roles).float()

@@ -49,9 +49,16 @@ class ModelRunner:
         ):
             return self.graphs.run(spans)
         inp = self.state.build(spans)
-        if self.fused is not None and layer_hook is None and self.fused.fits(inp.meta):
+        # NOTE: the fused step runs every row by the decode kernels: with roles (batch
+        # invariance) only a step of generated rows may take it
+        if (
+            self.fused is not None
+            and layer_hook is None
+            and self.fused.fits(inp.meta)
+            and (inp.roles is None or inp.roles.all_generated)
+        ):
             hidden = self.fused.run(inp.input_ids, inp.positions, inp.meta)
-            return self.model.lm_head(hidden[inp.logits_idx]).float()
+            return self.model.lm_head(hidden[inp.logits_idx], inp.sampled_roles).float()
         return self.model.forward(
             inp.input_ids,
             inp.positions,
@@ -60,4 +67,6 @@ class ModelRunner:
             self.backend,
             inp.logits_idx,
             layer_hook,
+            inp.roles,
+            inp.sampled_roles,
         )

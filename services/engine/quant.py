@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from services.engine.cpu_kernels import library
+from services.engine.row_roles import RowRoles, by_role
 
 QK = 32
 KERNEL_ROWS = 16  # NOTE: measured crossover with packed fp32 oneDNN GEMMs (BENCHMARKS.md)
@@ -171,10 +172,19 @@ class QuantLinear:
     def nbytes(self) -> int:
         return self.w.nbytes + (self.bias.numel() * 4 if self.bias is not None else 0)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
+        """By the number of rows (None), or prompt rows packed and generated rows by the
+        kernels (``roles``): see ``services.engine.row_roles``."""
+        packs = self.packed is not None and x.dtype == torch.float32
+        if roles is not None:
+            return by_role(x, roles, self._gemm if packs else self._kernels, self._kernels)
+        return self._gemm(x) if packs and x.shape[0] > KERNEL_ROWS else self._kernels(x)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _kernels(self, x: torch.Tensor) -> torch.Tensor:
         rows, dtype = x.shape[0], x.dtype
-        if self.packed is not None and rows > KERNEL_ROWS and dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         x = x.float().contiguous()
         y = torch.empty((rows, self.out_features), dtype=torch.float32)
         for a in range(0, rows, 8):

@@ -25,6 +25,7 @@ import torch
 
 from services.engine.attention import AttentionMetadata
 from services.engine.block_manager import BlockManager
+from services.engine.row_roles import ALL_GENERATED, RowRoles
 from services.engine.scheduler import ScheduledSpan
 
 
@@ -41,6 +42,10 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens] int64
     logits_idx: torch.Tensor  # [num_sampled] int64: rows whose next-token logits are needed
     meta: AttentionMetadata
+    # the rows' roles (batch-invariant kernel choice, services.engine.row_roles), and those of
+    # the rows logits_idx names; None: kernels chosen by batch size
+    roles: RowRoles | None = None
+    sampled_roles: RowRoles | None = None
 
 
 class BlockTables:
@@ -123,8 +128,10 @@ class StepState:
         scratch_block: int,
         device: torch.device | str,
         sliding_window: int | None,
+        batch_invariant: bool = False,
     ) -> None:
         self.blocks = blocks
+        self.batch_invariant = batch_invariant
         self.block_size = blocks.block_size
         self.device = torch.device(device)
         self.sliding_window = sliding_window
@@ -160,7 +167,21 @@ class StepState:
             (n_seqs, n_seqs, n_seqs, n_tok, len(sampled))
         )
         ctx = [a + n for a, n in zip(starts, q_lens)]
-        return self._inputs(rows_t, starts_t, q_lens_t, ids_t, sampled_t, q_lens, ctx)
+        inputs = self._inputs(rows_t, starts_t, q_lens_t, ids_t, sampled_t, q_lens, ctx)
+        if self.batch_invariant:
+            inputs.roles, inputs.sampled_roles = self._roles(spans, sampled)
+        return inputs
+
+    def _roles(
+        self, spans: Sequence[ScheduledSpan], sampled: list[int]
+    ) -> tuple[RowRoles, RowRoles]:
+        """Row i is generated when its position is past its request's prompt."""
+        if all(s.start >= s.request.num_prompt for s in spans):  # decodes: O(1) per span
+            return ALL_GENERATED, ALL_GENERATED
+        gen: list[bool] = []
+        for s in spans:
+            gen.extend(p >= s.request.num_prompt for p in range(s.start, s.start + s.num_new))
+        return RowRoles.of(gen, self.device), RowRoles.of([gen[i] for i in sampled], self.device)
 
     def _inputs(
         self,

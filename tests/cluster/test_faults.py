@@ -43,9 +43,9 @@ NO_LEAKS = {"running": 0, "waiting": 0, "held": 0, "blocks_used": 0, "gateway_sl
 @pytest.fixture(scope="module")
 def faults(ray_serve):
     pools = {"replicas": 2, "num_kv_blocks": 256, "max_num_seqs": 4}
-    # NOTE: batch-invariant kernels: a seeded request's tokens do not depend on the batch it
-    # lands in, so the fault-free pass is a fair reference under any load (the prompts are
-    # under one block: no prefix-cache hit changes the rounding either)
+    # NOTE: batch-invariant kernels (the CPU default, stated because the test relies on it): a
+    # seeded request's tokens do not depend on the batch it lands in, so the fault-free pass
+    # is a fair reference under any load
     over = {
         "kv_hold_timeout_s": HOLD_S,
         "max_inflight_requests": MAX_INFLIGHT,

@@ -1,7 +1,8 @@
-"""``batch_invariant``: a prompt's KV (and so a seeded request's tokens) does not depend on the
-prompts it is prefilled with. By default batches over 16 rows run fp32 packed GEMMs and
-smaller ones the quantized kernels, so a prompt prefilled alone and the same prompt in a
-batch are rounded differently; the fault bench found seeded requests that then diverged."""
+"""``batch_invariant``: a request's KV, log-probabilities and so its seeded tokens do not depend
+on the requests it shares steps with (``services.engine.row_roles``). With kernels chosen by
+batch size (``batch_invariant: false``), steps over 16 rows run fp32 packed GEMMs and smaller
+ones the quantized kernels, so the same request rounds differently alone and in a batch; the
+fault bench found seeded requests that then diverged, and resumed replays that disagreed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from services.config import load_config
-from services.engine.engine import Engine
+from services.engine.engine import Engine, resolve_batch_invariant
+from services.engine.row_roles import RowRoles, by_role
 from services.engine.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -18,9 +20,17 @@ PROMPTS = [
     "The capital of France is",
     "Hello there, how are you",
 ]
+MANY = 20  # decode steps of more than 16 rows
 
 
-def _kv(engine: Engine, batch: list[int], prompts: list[list[int]]) -> dict[int, torch.Tensor]:
+def _engine(invariant: bool, role: str) -> Engine:
+    cfg = load_config(overrides={"batch_invariant": invariant}, environ={})
+    return Engine.from_path(None, cfg.engine_config(cfg.prefill, role))  # type: ignore[arg-type]
+
+
+def _prompt_kv(
+    engine: Engine, batch: list[int], prompts: list[list[int]]
+) -> dict[int, torch.Tensor]:
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     for i in batch:
         engine.add_request(f"r{i}", prompts[i], sp)
@@ -38,13 +48,95 @@ def _kv(engine: Engine, batch: list[int], prompts: list[list[int]]) -> dict[int,
 
 @pytest.mark.parametrize("invariant", [True, False])
 def test_a_prompt_s_kv_is_the_same_alone_and_in_a_batch_only_when_batch_invariant(invariant):
-    cfg = load_config(overrides={"batch_invariant": invariant}, environ={})
-    engine = Engine.from_path(None, cfg.engine_config(cfg.prefill, "prefill"))
+    engine = _engine(invariant, "prefill")
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     assert all(len(p) < 16 for p in prompts)  # under one block: no prefix-cache hit between runs
     alone: dict[int, torch.Tensor] = {}
     for i in range(len(prompts)):
-        alone |= _kv(engine, [i], prompts)  # under 16 rows: the quantized kernels
-    batched = _kv(engine, list(range(len(prompts))), prompts)  # over 16 rows
+        alone |= _prompt_kv(engine, [i], prompts)  # under 16 rows
+    batched = _prompt_kv(engine, list(range(len(prompts))), prompts)  # over 16 rows
     same = [torch.equal(alone[i], batched[i]) for i in range(len(prompts))]
     assert all(same) if invariant else not any(same)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_a_prefix_cache_hit_rounds_the_rest_of_the_prompt_as_a_miss_only_when_batch_invariant(
+    invariant,
+):
+    engine = _engine(invariant, "prefill")
+    base = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    full = base + engine.tokenizer.encode(" And then")
+    assert len(base) >= 32 and len(full) - 32 < 16  # a 2-block hit leaves under 16 rows
+    miss = _prompt_kv(engine, [0], [full])[0]
+    hit = _prompt_kv(engine, [0], [full])[0]  # its first two blocks from the cache
+    assert engine.stats().prefix_hit_tokens == 32
+    assert torch.equal(hit, miss) == invariant
+
+
+def _generate(
+    engine: Engine, requests: dict[str, tuple[list[int], int]], late: frozenset[str] = frozenset()
+):
+    """Runs requests (id -> (prompt, seed)) to the end; those in ``late`` are added after the
+    others' first decode step, so their prompts share steps with decodes. Returns each
+    request's (tokens, logprobs)."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+
+    def add(rid: str) -> None:
+        prompt, seed = requests[rid]
+        sp = SamplingParams(
+            max_tokens=8, temperature=0.9, seed=seed, logprobs=True, ignore_eos=True
+        )
+        engine.add_request(rid, prompt, sp)
+        out[rid] = ([], [])
+
+    for rid in requests.keys() - late:
+        add(rid)
+    steps = 0
+    while engine.has_unfinished:
+        for o in engine.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(o.new_logprobs or [])
+        steps += 1
+        if steps == 2:
+            for rid in late:
+                add(rid)
+    return out
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_decodes_and_mixed_steps_are_the_same_alone_and_batched_only_when_batch_invariant(
+    invariant,
+):
+    engine = _engine(invariant, "both")
+    tok = engine.tokenizer
+    target = {"t": (tok.encode("Write one line about the sea."), 7)}
+    alone = _generate(engine, target)["t"]
+    # the target among MANY decodes (steps over 16 rows), its prompt arriving while they decode
+    others = {
+        f"o{i}": (tok.encode(f"Say something about the number {i}."), 100 + i) for i in range(MANY)
+    }
+    batched = _generate(engine, others | target, late={"t"})["t"]
+    assert len(alone[1]) == len(batched[1]) == 8
+    if invariant:
+        assert batched == alone  # tokens and logprobs, bit for bit
+    else:
+        assert batched[1] != alone[1]  # the same request, rounded differently
+
+
+def test_by_role_runs_each_row_by_its_role_in_order():
+    x = torch.arange(12.0).reshape(6, 2)
+    roles = RowRoles.of([False, True, True, False, True, False], "cpu")
+    y = by_role(x, roles, lambda r: r * 10, lambda r: -r)
+    assert torch.equal(y[[0, 3, 5]], x[[0, 3, 5]] * 10) and torch.equal(y[[1, 2, 4]], -x[[1, 2, 4]])
+    assert RowRoles.of([True, True], "cpu").split is None  # one role: no gathering
+    assert torch.equal(
+        by_role(x, RowRoles.of([False] * 6, "cpu"), lambda r: r * 10, lambda r: -r), x * 10
+    )
+
+
+def test_batch_invariant_is_on_with_the_cpu_backend_and_refused_by_name_elsewhere():
+    assert resolve_batch_invariant("auto", "cpu") is True
+    assert resolve_batch_invariant("auto", "triton") is False
+    assert resolve_batch_invariant(False, "cpu") is False
+    with pytest.raises(ValueError, match="batch_invariant is implemented by the 'cpu'"):
+        resolve_batch_invariant(True, "torch")

@@ -117,7 +117,9 @@ def test_smollm2_int8_kv_tracks_the_float_cache():
     """The served default (GGUF q4 weights) with an int8 vs a float KV cache, greedy, 32
     tokens: chosen-token log-probabilities on the agreed prefix stay within 0.15 (measured
     <= 0.1); a divergence only comes where the float run's token had probability < 0.6 (a
-    near tie; measured: one prompt of three, at p = 0.04); most prompts agree throughout.
+    near tie; measured with batch-invariant kernels: two prompts of three, at p = 0.15 and
+    0.04, after 8 and 7 tokens; with kernels by step size one, at p = 0.04); at least one
+    prompt agrees throughout.
     Perplexity per KV dtype: bench/quality_bench.py, BENCHMARKS.md."""
     from services.engine.engine import Engine
 
@@ -145,4 +147,4 @@ def test_smollm2_int8_kv_tracks_the_float_cache():
         if same < len(ft):
             assert fl[same] < math.log(0.6), f"diverged at {same} on a confident token"
         whole += same == len(ft)
-    assert whole >= 2
+    assert whole >= 1
