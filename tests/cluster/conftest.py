@@ -44,7 +44,10 @@ def deploy(apps: dict[str, tuple[str, dict]]) -> None:
     from tests.fixtures import wait_until_ok
 
     for name, (prefix, over) in apps.items():
-        cfg = load_config(overrides={"grpc_port": 0, **over}, environ={})
+        # NOTE: fp32 unless an app names its dtype: the token checks compare with fp32
+        # references and rely on the cpu backend's batch invariance, and ``auto`` is bf16
+        # (the torch backend) on hosts with native bf16
+        cfg = load_config(overrides={"grpc_port": 0, "dtype": "float32", **over}, environ={})
         serve.run(build_app(cfg), name=name, route_prefix=prefix or "/", blocking=False)
     for prefix, _ in apps.values():
         wait_until_ok(f"{BASE}{prefix}/health", 300)

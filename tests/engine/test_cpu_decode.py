@@ -38,7 +38,9 @@ def _run(eng, prompts, params):
 )
 @pytest.mark.parametrize("batch", [1, 3, MAX_BATCH + 3])
 def test_fused_decode_equals_the_per_op_path(make_engine, model, extra, batch):
-    cfg = dict(quantization="int4", attention_backend="cpu", num_kv_blocks=256, **extra)
+    cfg = dict(
+        quantization="int4", attention_backend="cpu", dtype="float32", num_kv_blocks=256, **extra
+    )
     fused, per_op = make_engine(model, **cfg), make_engine(model, **cfg)
     assert isinstance(fused.runner.fused, FusedDecode)
     per_op.runner.fused = None
@@ -74,7 +76,7 @@ def test_speculation_through_the_fused_step_is_bit_lossless(make_engine, monkeyp
     from services.engine import scheduler as scheduler_module
     from tests.engine.test_speculative import _oracle
 
-    cfg = dict(quantization="int4", attention_backend="cpu", num_kv_blocks=256)
+    cfg = dict(quantization="int4", attention_backend="cpu", dtype="float32", num_kv_blocks=256)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (9, 17)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)

@@ -90,7 +90,7 @@ def test_gguf_types_load_to_the_hf_weights(qtype, tiny_model_dir, tmp_path, monk
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        eng = Engine(ours, None, EngineConfig(num_kv_blocks=64, block_size=4))
+        eng = Engine(ours, None, EngineConfig(num_kv_blocks=64, block_size=4, dtype="float32"))
         prompt = [5, 17, 99, 200, 3, 42]
         assert eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0] == hf_greedy(
             hf, prompt, 16, eos=2

@@ -109,7 +109,7 @@ def test_quantized_engine_agrees_with_fp32_on_the_same_weights(quantization, tin
     loaded = load_model(tiny_model_dir())
     sd = prepare_weights(loaded.state_dict, quantization)
     dense = {k: v.dequantize() if isinstance(v, QuantWeight) else v for k, v in sd.items()}
-    cfg = EngineConfig(num_kv_blocks=512, block_size=4)
+    cfg = EngineConfig(num_kv_blocks=512, block_size=4, dtype="float32")
     quant_eng = Engine(LoadedModel(loaded.config, sd, loaded.folder, "q"), None, cfg)
     dense_eng = Engine(LoadedModel(loaded.config, dense, loaded.folder, "d"), None, cfg)
     assert isinstance(quant_eng.model.layers[0].qkv, QuantLinear)
@@ -132,7 +132,7 @@ def test_int8_engine_agrees_with_the_fp32_model(make_engine):
 def test_default_smollm2_serves_its_q4_gguf_weights():
     from services.engine.engine import Engine
 
-    eng = Engine.from_path(None, EngineConfig(num_kv_blocks=64))
+    eng = Engine.from_path(None, EngineConfig(num_kv_blocks=64, dtype="float32"))
     assert eng.quantization == "keep"
     assert isinstance(eng.model.layers[0].qkv, QuantLinear)
     assert eng.model.weight_bytes < 130e6  # vs 538 MB in fp32

@@ -101,7 +101,9 @@ def test_copy_workload_on_smollm2_accepts_drafts_and_keeps_tokens():
     text = (Path(__file__).parents[2] / "bench/data/declaration_of_independence.txt").read_text()
     outs, stats = {}, {}
     for k in (0, 4):
-        eng = Engine.from_path(None, EngineConfig(num_kv_blocks=256, speculative_tokens=k))
+        eng = Engine.from_path(
+            None, EngineConfig(num_kv_blocks=256, speculative_tokens=k, dtype="float32")
+        )
         tok = eng.tokenizer
         chat = [{"role": "user", "content": "Copy this text exactly:\n\n" + text[:700]}]
         ids = tok.encode(tok.apply_chat_template(chat))

@@ -179,7 +179,9 @@ def test_sharded_safetensors_folder(tiny_model_dir, tmp_path, make_engine):
     ref = make_engine("llama-mha-untied").generate(
         [[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0)
     )
-    eng = Engine(load_model(folder), None, EngineConfig(num_kv_blocks=64, block_size=4))
+    eng = Engine(
+        load_model(folder), None, EngineConfig(num_kv_blocks=64, block_size=4, dtype="float32")
+    )
     assert eng.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0)) == ref
 
 
