@@ -525,6 +525,12 @@ def main() -> None:
         help="serve with batch_invariant false (kernels by step size): faster above 16 rows, "
         "but a seeded request's tokens can depend on its batch",
     )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="the model dtype (auto: bf16 on hosts with native bf16, whose torch backend is "
+        "not batch-invariant; float32: the cpu backend, batch-invariant by row role)",
+    )
     ap.add_argument("--port", type=int, default=18531)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -552,6 +558,7 @@ def main() -> None:
             "kv_hold_timeout_s": args.hold_timeout_s,
             "max_inflight_requests": args.max_inflight,
             "batch_invariant": "auto" if not args.by_size else False,
+            "dtype": args.dtype,
         },
         environ={},
     )

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from kvtransfer.transport import get_transport  # noqa: E402
 from kvtransfer.wire import DEFAULT_CHUNK_BYTES  # noqa: E402
+from services.engine.errors import UnknownRequestError  # noqa: E402
 from services.engine.kv_cache import empty_bytes  # noqa: E402
 from services.engine.kv_handle import KVHandle, LayoutFingerprint  # noqa: E402
 
@@ -63,11 +64,12 @@ class Source:
     def release(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
 
-    def stream(self, request_id: str) -> Any:
-        return self.streams.get(request_id)
-
-    def stream_attached(self, early: bool) -> None:
-        pass
+    def attach(self, request_id: str, want: LayoutFingerprint) -> Any:
+        stream = self.streams.get(request_id)
+        if stream is None:
+            raise UnknownRequestError(f"no KV stream open for request {request_id!r}")
+        stream.attach()
+        return stream
 
 
 def serve(transport: str, sizes: list[float], chunk_bytes: int | None) -> None:
@@ -259,7 +261,7 @@ def prefill_sender(transport: str) -> None:
     default chunking) behind the transport. Commands on stdin, one per line:
     ``<request id> <tokens> whole|stream``; it answers ``open`` once the request (and its
     stream) exists, then ``done <time.time()>`` when the first token is sampled."""
-    from kvtransfer.source import EngineKVSource
+    from kvtransfer.outbox import Outbox
     from services.engine.config import EngineConfig
     from services.engine.engine import Engine
     from services.engine.sampling_params import SamplingParams
@@ -267,14 +269,14 @@ def prefill_sender(transport: str) -> None:
     torch.set_num_threads(1)
     engine = Engine.from_path(None, EngineConfig(role="prefill", num_kv_blocks=600))
     lock = threading.Lock()
-    source = EngineKVSource(engine, lock)
-    server = get_transport(transport).serve(source, "127.0.0.1", 0)
+    outbox = Outbox(engine.fingerprint, lambda: lock)
+    server = get_transport(transport).serve(outbox, "127.0.0.1", 0)
     print(server.address, flush=True)
     for line in sys.stdin:
         rid, n, mode = line.split()
         salt = zlib.crc32(rid.encode())  # NOTE: a prompt of its own: no prefix-cache hits
         ids = [(7 * i + salt) % 40000 + 10 for i in range(int(n))]
-        sink = source.open_stream(rid, len(ids)) if mode == "stream" else None
+        sink = outbox.open(rid, len(ids), stream=mode == "stream")
         with lock:
             engine.add_request(
                 rid, ids, SamplingParams(max_tokens=2, ignore_eos=True), kv_sink=sink

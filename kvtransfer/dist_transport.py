@@ -44,8 +44,15 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer import wire
-from kvtransfer.stream import Heartbeat, StreamBusyError, StreamFailedError, attach_receiver
-from kvtransfer.transport import KVSource
+from kvtransfer.base import (
+    KVSource,
+    StreamBusyError,
+    StreamFailedError,
+    TransferError,
+    TransportUnavailableError,
+    check_layout,
+)
+from kvtransfer.stream import Heartbeat
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from services.engine.kv_cache import empty_bytes
@@ -67,10 +74,6 @@ def _meta(what: int, seq: int, layer: int, a: int, b: int, nbytes: int, check: i
     # NOTE: checksums are unsigned 64-bit; the tensor is int64 (two's complement round trip)
     signed = check - (1 << 64) if check >= 1 << 63 else check
     return torch.tensor([what, seq, layer, a, b, nbytes, signed], dtype=torch.int64)
-
-
-class TransportUnavailableError(RuntimeError):
-    """The transport was asked for but cannot work here (e.g. NCCL without GPUs)."""
 
 
 def check_backend(backend: str) -> None:
@@ -106,7 +109,7 @@ def _wait(store: Any, key: str, timeout_s: float) -> bytes:
     except dist.DistStoreError as e:
         if "timeout" in str(e).lower():
             raise TimeoutError(f"no {key!r} in the KV store within {timeout_s:.1f}s") from None
-        raise wire.TransferError(f"KV store: {e}") from None
+        raise TransferError(f"KV store: {e}") from None
     value = store.get(key)
     store.delete_key(key)
     return value
@@ -204,7 +207,7 @@ class DistKVServer:
         while not self._stopped.is_set():
             try:
                 self._wait_for(store, f"open/{k}", b"stop", 24 * 3600.0)
-            except (TimeoutError, wire.TransferError):
+            except (TimeoutError, TransferError):
                 continue
             if self._stopped.is_set():
                 return
@@ -252,11 +255,11 @@ class DistKVServer:
             return
         want = pb.KVLayout.FromString(base64.b64decode(msg["layout"]))
         try:
-            wire.check_layout(handle.fingerprint, wire.layout_from_proto(want))
+            check_layout(handle.fingerprint, wire.layout_from_proto(want))
         except LayoutMismatchError as e:
             self._answer(store, prefix, n, {"error": "layout", "detail": str(e)})
             return
-        data = wire.payload(handle).to(_device(self.backend))
+        data = wire.payload_of(handle).to(_device(self.backend))
         chunk = min(int(msg.get("max_chunk_bytes") or self.chunk_bytes), self.chunk_bytes)
         header = wire.header_for(handle, data, chunk)
         self._answer(
@@ -274,7 +277,7 @@ class DistKVServer:
         rid = msg["request_id"]
         want = wire.layout_from_proto(pb.KVLayout.FromString(base64.b64decode(msg["layout"])))
         try:
-            stream = attach_receiver(self.source, rid, want)
+            stream = self.source.attach(rid, want)
         except UnknownRequestError:
             self._answer(store, prefix, n, {"error": "not_found", "detail": rid})
             return
@@ -438,7 +441,7 @@ class DistKVClient:
         except Exception as e:
             with self._cond:
                 self._uncount(address)
-            raise wire.TransferError(f"KV pair with {address} did not form: {e}") from None
+            raise TransferError(f"KV pair with {address} did not form: {e}") from None
 
     def _uncount(self, address: str) -> None:
         """Under the lock: one pair to ``address`` fewer (a waiting transfer may open one)."""
@@ -473,12 +476,12 @@ class DistKVClient:
                         f"the KV stream from {address} made no progress for {e} s"
                     ) from None
                 raise TimeoutError(f"KV transfer from {address} passed its deadline") from None
-            except wire.TransferError:
+            except TransferError:
                 self._drop(pair)
                 raise
             except Exception as e:  # a dead peer surfaces as a gloo/NCCL runtime error
                 self._drop(pair)
-                raise wire.TransferError(f"KV transfer from {address} failed: {e}") from None
+                raise TransferError(f"KV transfer from {address} failed: {e}") from None
 
     def pull(
         self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
@@ -504,7 +507,7 @@ class DistKVClient:
                 address, end, lambda p: self._receive_stream(p, request_id, layout, end, stall_s)
             )
         except StreamBusyError as e:
-            raise wire.TransferError(str(e)) from None
+            raise TransferError(str(e)) from None
 
     def _ask(
         self, pair: _Pair, op: str, request_id: str, layout: LayoutFingerprint, end: float
@@ -568,11 +571,11 @@ class DistKVClient:
                 part = empty_bytes(nbytes, device)
                 _recv(pair, part, n, end)
                 if wire.checksum(kind, part) != check & 0xFFFF_FFFF_FFFF_FFFF:
-                    raise wire.TransferError(f"piece {seq} failed its {kind} check")
+                    raise TransferError(f"piece {seq} failed its {kind} check")
                 asm.place(layer, a, b, part)
                 continue
             if what not in (_END, _FAILED, _TIMED_OUT) or not 0 <= nbytes <= 1 << 20:
-                raise wire.TransferError(f"malformed stream message {what}")
+                raise TransferError(f"malformed stream message {what}")
             raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
             if nbytes:
                 _recv(pair, raw, n, end)
@@ -583,7 +586,7 @@ class DistKVClient:
                 raise TimeoutError(body.decode(errors="replace"))
             msg = pb.StreamKVResponse.FromString(body)
             if msg.WhichOneof("msg") != "trailer":
-                raise wire.TransferError("the stream did not end with its trailer")
+                raise TransferError("the stream did not end with its trailer")
             return asm.finish(msg.trailer)
 
     def release(self, address: str, request_id: str, timeout_s: float) -> None:

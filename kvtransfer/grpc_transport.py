@@ -26,8 +26,14 @@ import grpc
 import grpc.experimental
 
 from kvtransfer import shm, wire
-from kvtransfer.stream import Heartbeat, StreamBusyError, StreamFailedError, attach_receiver
-from kvtransfer.transport import KVSource
+from kvtransfer.base import (
+    KVSource,
+    StreamBusyError,
+    StreamFailedError,
+    TransferError,
+    check_layout,
+)
+from kvtransfer.stream import Heartbeat
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
@@ -72,12 +78,12 @@ class _Servicer:
                 grpc.StatusCode.NOT_FOUND, f"no KV held for request {request.request_id!r}"
             )
         try:
-            wire.check_layout(handle.fingerprint, wire.layout_from_proto(request.layout))
+            check_layout(handle.fingerprint, wire.layout_from_proto(request.layout))
         except LayoutMismatchError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         chunk = min(request.max_chunk_bytes or self.chunk_bytes, self.chunk_bytes)
         if self.segments is not None and self.host_id and request.host_id == self.host_id:
-            data = wire.payload(handle).cpu()
+            data = wire.payload_of(handle).cpu()
             name, seg = self.segments.reserve(request.request_id, data.numel())
             yield self._hooked(wire.segment_header(handle, data.numel(), chunk, name))
             for seq, (a, b) in enumerate(wire.chunk_ranges(data.numel(), chunk)):
@@ -97,7 +103,7 @@ class _Servicer:
     ) -> Iterator[bytes]:
         want = wire.layout_from_proto(request.layout)
         try:
-            stream = attach_receiver(self.source, request.request_id, want)
+            stream = self.source.attach(request.request_id, want)
         except UnknownRequestError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except LayoutMismatchError as e:
@@ -337,7 +343,7 @@ def _map_error(e: grpc.RpcError, address: str) -> Exception:
         return StreamFailedError(details)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(f"KV transfer from {address} passed its deadline")
-    return wire.TransferError(f"KV transfer from {address} failed: {code.name}: {details}")
+    return TransferError(f"KV transfer from {address} failed: {code.name}: {details}")
 
 
 class GrpcTransport:

@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
-from kvtransfer.transport import Transport
+from kvtransfer.base import Transport
+from services.engine.errors import UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_quant import row_layout
 
@@ -36,6 +38,9 @@ class _Held:
 
     def get(self, request_id: str) -> KVHandle | None:
         return None if request_id in self.released else self.handle
+
+    def attach(self, request_id: str, want: LayoutFingerprint) -> NoReturn:
+        raise UnknownRequestError("the self-test pulls whole")
 
     def release(self, request_id: str) -> None:
         self.released.add(request_id)

@@ -16,12 +16,11 @@ as its engine is making progress (``progressing``: a queued prefill is not a sta
 receiver that hears nothing for its stall timeout (``kv_stream_stall_s``) gives up: the
 sender hangs, its engine stalls, or the network dropped the stream without closing it.
 
-Lifecycle: open (registered by the prefill replica before it names its KV address) ->
-attached (one receiver; a second is refused) -> finished (the final handle is queued after
-the last piece) -> closed by ``fail`` (aborted, finished at the first token, released, lease
-expired), which also unregisters the stream (``on_close``). Every path ends in ``fail``: the
-engine fails the sink when the hold ends, so a stream nobody came for does not outlive the
-request's KV lease.
+Lifecycle: a stream belongs to one entry of the prefill replica's ``kvtransfer.outbox.Outbox``
+(opened before the replica names its KV address), which attaches its one receiver, finishes it
+(the final handle is queued after the last piece) and fails it when the handoff ends (aborted,
+finished at the first token, released, lease expired): a stream nobody came for does not
+outlive the request's KV lease.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from kvtransfer.wire import TransferError, check_layout
+from kvtransfer.base import StreamBusyError, StreamFailedError
 from services.engine.errors import UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_stream import KVPiece
@@ -44,11 +43,6 @@ class Heartbeat:
 
 
 HEARTBEAT = Heartbeat()
-
-
-class StreamFailedError(TransferError):
-    """The stream ended without the final handle (the prefill was aborted, finished at its
-    first token, or its KV hold ended before everything was sent)."""
 
 
 class StreamBuffer:
@@ -92,34 +86,9 @@ def layer_pieces(handle: KVHandle) -> Iterator[KVPiece]:
         yield KVPiece(layer, 0, n, handle.blocks[layer].flatten(1, 2)[:, :n])
 
 
-class StreamBusyError(Exception):
-    """The stream already has a receiver."""
-
-
-def attach_receiver(source: object, request_id: str, want: LayoutFingerprint) -> KVStream:
-    """What every transport server does when a receiver asks for a stream: find it, check the
-    receiver's layout, make it the stream's one receiver, and count it (early or late).
-
-    Raises:
-        UnknownRequestError: ``source`` has no open stream for the request.
-        LayoutMismatchError: the receiver's layout differs.
-        StreamBusyError: the stream already has a receiver.
-    """
-    from kvtransfer.transport import StreamingKVSource  # NOTE: transport names KVStream
-
-    stream = source.stream(request_id) if isinstance(source, StreamingKVSource) else None
-    if stream is None:
-        raise UnknownRequestError(f"no KV stream open for request {request_id!r}")
-    check_layout(stream.fingerprint, want)
-    early = stream.attach()
-    source.stream_attached(early)
-    return stream
-
-
 class KVStream:
     """Args:
     num_tokens: positions whose KV the stream will carry (the prompt length).
-    on_close: called once, when the stream closes (unregisters it).
     buffer: the replica's bound on queued pieces; None = unbounded.
     refill: the request's held KV with block data, once the prefill is done (what a spilled
         stream sends at its end); raises ``UnknownRequestError`` once the hold has ended.
@@ -132,7 +101,6 @@ class KVStream:
         request_id: str,
         fingerprint: LayoutFingerprint,
         num_tokens: int,
-        on_close: Callable[[], None] | None = None,
         buffer: StreamBuffer | None = None,
         refill: Callable[[], KVHandle] | None = None,
         progressing: Callable[[], bool] | None = None,
@@ -142,7 +110,6 @@ class KVStream:
         self.fingerprint = fingerprint
         self.num_tokens = num_tokens
         self.finished_unix = 0.0  # when the final handle came (time.time)
-        self._on_close = on_close
         self._cond = threading.Condition()
         self._items: deque[KVPiece | KVHandle] = deque()
         self._finished = False
@@ -200,8 +167,6 @@ class KVStream:
                 self._buffer.give(self._queued_bytes)
             self._queued_bytes = 0
             self._cond.notify_all()
-        if self._on_close is not None:
-            self._on_close()
 
     # ---- the receiver's side --------------------------------------------------------------
     def attach(self) -> bool:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvtransfer.base import TransferError, check_layout
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
-from services.engine.errors import LayoutMismatchError
 from services.engine.kv_cache import empty_bytes
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_quant import row_layout
@@ -45,10 +45,6 @@ def storage(fp: LayoutFingerprint) -> tuple[int, torch.dtype]:
         raise TransferError(str(e)) from None
 
 
-class TransferError(Exception):
-    """A transfer was corrupt, incomplete or out of order; the KV must not be used."""
-
-
 def layout_to_proto(fp: LayoutFingerprint) -> pb.KVLayout:
     return pb.KVLayout(
         model_id=fp.model_id,
@@ -64,11 +60,6 @@ def layout_from_proto(m: pb.KVLayout) -> LayoutFingerprint:
     return LayoutFingerprint(
         m.model_id, m.num_layers, m.num_kv_heads, m.head_dim, m.block_size, m.dtype
     )
-
-
-def check_layout(got: LayoutFingerprint, want: LayoutFingerprint) -> None:
-    if got != want:
-        raise LayoutMismatchError(f"KV layout mismatch: {got.describe_mismatch(want)}")
 
 
 def _header(
@@ -205,7 +196,9 @@ def encode(handle: KVHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator
     """Serialized ``PullKVResponse``s: the header, then the block tensor's bytes in chunks of
     at most ``chunk_bytes``."""
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
-    payload = memoryview(handle.blocks.contiguous().view(torch.uint8).numpy()).cast("B")
+    # NOTE: KV on a GPU is copied to host memory first (numpy reads host memory only); a
+    # no-op for CPU KV
+    payload = memoryview(payload_of(handle).cpu().numpy()).cast("B")
     total = len(payload)
     n_chunks = max(1, -(-total // chunk_bytes))
     yield pb.PullKVResponse(header=_header(handle, total, n_chunks)).SerializeToString()
@@ -215,7 +208,7 @@ def encode(handle: KVHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator
         yield data_frame(2, ((1, seq),), 2, data, CHUNK_CRC)
 
 
-def payload(handle: KVHandle) -> torch.Tensor:
+def payload_of(handle: KVHandle) -> torch.Tensor:
     """The block tensor as contiguous 1-D bytes (on the handle's device)."""
     return handle.blocks.contiguous().view(torch.uint8).reshape(-1)
 

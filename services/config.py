@@ -244,7 +244,10 @@ class ServeConfig(BaseModel):
         "progress, so a queued prefill is not a stalled one)",
     )
     kv_hold_timeout_s: float = Field(
-        60.0, gt=0, description="prefill keeps unclaimed KV this long, then frees it"
+        60.0,
+        gt=0,
+        description="a prefill replica keeps a request's KV this long for its decode replica "
+        "(the handoff's lease), then frees it",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="longest a request may run")
     resume_timeout_s: float = Field(
@@ -313,7 +316,6 @@ class ServeConfig(BaseModel):
             cuda_graphs=self.cuda_graphs,
             gpu_memory_utilization=self.gpu_memory_utilization,
             threads=pool.threads,
-            kv_hold_timeout_s=self.kv_hold_timeout_s,
             batch_invariant=self.batch_invariant,
         )
 

@@ -5,7 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvtransfer.base import KVRef, KVTransferFailedError
 from services.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "GenerateSpec",
+    "KVRef",
+    "KVTransferFailedError",
+    "PrefillResult",
+    "RouteHint",
+    "TokenChunk",
+    "prefill_on_decode",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,19 +37,10 @@ class PrefillResult:
     first_text: str
     first_logprob: float | None
     finish_reason: str | None  # set when the first token already ended the request
-    kv_address: str | None  # transport address of the replica holding the KV (None if finished)
+    kv: KVRef | None  # where the KV is held (None: the first token ended the request)
     queue_s: float
     prefill_s: float
     num_cached_tokens: int = 0  # prompt tokens served from this replica's prefix cache
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillStarted:
-    """First item of a layer-wise prefill (``PrefillServer.prefill_stream``): the KV stream is
-    open at ``kv_address``; the decode replica can start receiving before the first token."""
-
-    request_id: str
-    kv_address: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +64,6 @@ def prefill_on_decode(
     if mode == "colocated":
         return True
     return threshold > 0 and num_prompt_tokens - num_cached_tokens < threshold
-
-
-class KVTransferFailedError(RuntimeError):
-    """A KV pull failed or timed out; the gateway re-prefills once, then answers 503."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,7 +82,6 @@ class ReplicaMetrics:
         self._busy: deque[tuple[float, float]] = deque()  # (monotonic time, engine busy_s)
         self.transfer_failures: dict[str, int] = {}
         self.self_test: Any = None
-        self._lease_expiries = 0
         self.ttft = LatencyWindow(window_s)
         self.itl = LatencyWindow(window_s)
         self._ray: _RaySeries | None = None
@@ -93,6 +92,11 @@ class ReplicaMetrics:
             self._ray = _RaySeries()
         except Exception:  # not in a Serve replica
             self._ray = None
+
+    def observe_lease_expiries(self, n: int) -> None:
+        """``n`` handoffs' KV freed by the lease, never claimed (prefill)."""
+        if self._ray is not None and n:
+            self._ray.lease_expiries.inc(n)
 
     def observe_first_token(self, ttft_s: float, queue_s: float, prefill_s: float) -> None:
         self.ttft.add(ttft_s)
@@ -161,9 +165,6 @@ class ReplicaMetrics:
         g["kv_blocks_free"].set(s.blocks_free)
         g["prefill_tokens_queued"].set(s.prefill_tokens_queued)
         self._ray.prompt_tokens.set(s.prompt_tokens_computed)
-        if s.num_hold_expiries > self._lease_expiries:  # the engine counts; Ray's counter follows
-            self._ray.lease_expiries.inc(s.num_hold_expiries - self._lease_expiries)
-            self._lease_expiries = s.num_hold_expiries
         self._ray.hit_tokens.set(s.prefix_hit_tokens)
         pool = HOST_BUFFERS.stats()
         self._ray.host_buffers.set(pool.in_use_bytes, tags={"state": "in_use"})

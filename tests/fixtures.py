@@ -105,12 +105,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
 
 @pytest.fixture
 def make_engine(tiny_model_dir: Callable[[str], Path]) -> Iterator[Callable[..., Engine]]:
-    """Build engines on tiny models; at teardown every engine must be idle with exact accounting."""
+    """Build engines on tiny models; at teardown every engine must be idle with exact accounting.
+    fp32 unless a test names its dtype (``auto`` is bf16 on hosts with native bf16)."""
     engines: list[Engine] = []
 
     def make(model: str = "llama-gqa-tied", **cfg: Any) -> Engine:
         loaded = load_model(tiny_model_dir(model))
-        eng = Engine(loaded, None, EngineConfig(**{"num_kv_blocks": 64, "block_size": 4, **cfg}))
+        eng = Engine(
+            loaded,
+            None,
+            EngineConfig(**{"num_kv_blocks": 64, "block_size": 4, "dtype": "float32", **cfg}),
+        )
         engines.append(eng)
         return eng
 
@@ -125,7 +130,9 @@ def make_engine(tiny_model_dir: Callable[[str], Path]) -> Iterator[Callable[...,
 def smollm_engine() -> Engine:
     # NOTE: fp32 over the dequantized GGUF: the token-for-token reference check against
     # transformers (the served default keeps the GGUF quantized; tests/engine/test_quant.py)
-    return Engine.from_path(None, EngineConfig(num_kv_blocks=256, quantization="none"))
+    return Engine.from_path(
+        None, EngineConfig(num_kv_blocks=256, quantization="none", dtype="float32")
+    )
 
 
 @pytest.fixture(scope="session")
@@ -346,3 +353,22 @@ class TcpProxy:
     def close(self) -> None:
         self._listener.close()
         self.drop()
+
+
+def prefill_for_handoff(engine: Engine, rid: str, prompt: list[int], params: Any) -> Any:
+    """Prefill ``prompt`` on ``engine`` as a prefill replica does (its KV handed to a real
+    ``Outbox``; the test holds the engine, so the engine lock is a no-op) and take the KV as a
+    receiver would: the handle with block data, then released. Returns (outputs, handle)."""
+    from kvtransfer.outbox import Outbox
+
+    box = Outbox(engine.fingerprint, contextlib.nullcontext)
+    engine.add_request(
+        rid, prompt, params, prefill_only=True, kv_sink=box.open(rid, len(prompt), False)
+    )
+    outs = []
+    while engine.has_unfinished:
+        outs += [o for o in engine.step() if o.request_id == rid]
+    handle = box.get(rid)
+    assert engine.stats().num_held == (handle is not None)
+    box.release(rid)
+    return outs, handle

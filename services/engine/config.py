@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -198,8 +197,6 @@ class EngineConfig:
     speculative_tokens: int = 0
     prompt_lookup_max: int = 3  # longest tail n-gram looked up
     prompt_lookup_min: int = 1
-    # a prefill-only request's blocks wait this long for export/release, then are freed
-    kv_hold_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -232,5 +229,3 @@ class EngineConfig:
             )
         if self.gpu_memory_utilization is not None and not (0 < self.gpu_memory_utilization <= 1):
             raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1]")
-        if not math.isfinite(self.kv_hold_timeout_s) or self.kv_hold_timeout_s <= 0:
-            raise ValueError("EngineConfig.kv_hold_timeout_s must be > 0")

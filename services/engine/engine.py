@@ -7,8 +7,10 @@ Request lifecycle inside one engine:
    every scheduled token at once, samples, checks stop conditions and streams
    ``RequestOutput`` deltas.
 3. A finished request frees its blocks (full ones stay in the prefix cache). A prefill-only
-   request instead stops after its first token and holds its blocks (HELD) until
-   ``export_kv`` + ``release_kv`` or until ``kv_hold_timeout_s`` passes.
+   request instead stops after its first token and calls its ``kv_sink``'s hooks (layer
+   computed, prefilled, aborted); at ``prefilled`` the sink may keep the blocks pinned until
+   it frees them (``PinnedKV``). The handoff's lifecycle (lease, release, receivers) is the
+   sink's: the prefill replica's ``kvtransfer.outbox.Outbox``.
 4. A decode-side request starts from a ``KVHandle``: its blocks are placed in this engine's
    cache and it continues exactly where the prefill engine stopped.
 """
@@ -27,6 +29,7 @@ from services.engine.backend import get_backend
 from services.engine.block_hash import hash_block, hash_blocks
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.cpu_backend import supports as cpu_backend_supports
 from services.engine.cpu_decode import FusedDecode
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.errors import InvalidRequestError, LayoutMismatchError, UnknownRequestError
@@ -83,7 +86,7 @@ def resolve_batch_invariant(setting: bool | str, backend: str) -> bool:
 class EngineStats:
     num_running: int
     num_waiting: int
-    num_held: int
+    num_held: int  # prefilled requests whose blocks a KV handoff keeps pinned
     blocks_total: int
     blocks_free: int  # free or evictable
     blocks_used: int
@@ -93,7 +96,6 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     num_steps: int
-    num_hold_expiries: int = 0  # held KV freed because no decode replica claimed it in time
     num_draft_tokens: int = 0  # speculative draft tokens verified
     num_accepted_tokens: int = 0  # of which accepted (acceptance rate = accepted / draft)
 
@@ -126,6 +128,13 @@ class Engine:
         )
         mc = loaded.config
         self.backend = get_backend(config.attention_backend, config.device, dtype, mc.head_dim)
+        if self.backend.name == "cpu" and not cpu_backend_supports(dtype, mc.head_dim):
+            # NOTE: its C kernels read and write fp32 rows: any other dtype corrupts memory
+            raise ValueError(
+                f"attention_backend cpu runs fp32 models with head_dim <= 512 where its kernels "
+                f"build, not dtype {self.dtype_name} (head_dim {mc.head_dim}); use dtype "
+                "float32, or attention_backend torch or auto"
+            )
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype_name)
         if self.kv_dtype == "int8" and not self.backend.int8_kv:
             raise ValueError(
@@ -195,7 +204,8 @@ class Engine:
         self._prefix_hit_tokens = 0
         self._num_preemptions = 0
         self._num_steps = 0
-        self._num_hold_expiries = 0  # held KV freed by its lease, never claimed
+        # prefilled requests whose blocks a KV handoff keeps (``_Pinned``), until it frees them
+        self._pinned: dict[str, Request] = {}
         self._draft_tokens = 0  # speculative draft tokens verified
         self._accepted_tokens = 0  # of which accepted
 
@@ -228,20 +238,19 @@ class Engine:
         """Queue a request.
 
         Args:
-            prefill_only: stop after the first token and hold the KV for ``export_kv``.
-                Forced on for role ``prefill``.
+            prefill_only: stop after the first token and hand the KV to ``kv_sink``
+                (without one it is freed). Forced on for role ``prefill``.
             kv_handle: continue a request prefilled elsewhere (roles ``decode`` and ``both``);
                 ``prompt_ids`` must equal the handle's prompt.
-            kv_sink: stream the KV layer by layer while it is computed (prefill-only
-                requests; see ``services.engine.kv_stream``). The request is still HELD
-                afterwards, so ``export_kv`` / ``release_kv`` work as without a sink.
+            kv_sink: the KV handoff's hooks (prefill-only requests; see
+                ``services.engine.kv_stream.KVSink``).
         Raises:
             InvalidRequestError: naming the bad field; nothing is allocated.
             LayoutMismatchError: the handle's layout differs from this engine's.
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", "must be a non-empty string")
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._pinned:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         params.validate()
         prompt = list(prompt_ids)
@@ -301,37 +310,9 @@ class Engine:
         req.status = Status.FINISHED
         req.finish_reason = FinishReason.ABORT
         if req.kv_sink is not None:
-            req.kv_sink.fail("the request was aborted")
+            req.kv_sink.aborted("the request was aborted")
         self._aborted.append(req)
         return True
-
-    def export_kv(self, request_id: str) -> KVHandle:
-        """Copy out a HELD (prefill-only, finished) request's KV as a handle."""
-        req = self._held(request_id)
-        n_blocks = self.blocks.blocks_needed(req.num_computed)
-        table = self.blocks.block_table(request_id)[:n_blocks]
-        return self._handle(req, self.cache.read_blocks(table))
-
-    def release_kv(self, request_id: str, reason: str = "released") -> None:
-        """Free a HELD request's blocks (full blocks stay in the prefix cache)."""
-        req = self._held(request_id)
-        self.blocks.free(request_id)
-        req.status = Status.FINISHED
-        if req.kv_sink is not None:
-            req.kv_sink.fail(f"the KV hold ended: {reason}")
-        del self._requests[request_id]
-
-    def drop_kv(self, request_id: str) -> None:
-        """Nobody will take this prefill-only request's KV (its streaming receiver gave up):
-        free it now if HELD, else as soon as its prefill ends (the first token still comes).
-        Unknown or finished requests are ignored."""
-        req = self._requests.get(request_id)
-        if req is None or not req.prefill_only:
-            return
-        if req.status is Status.HELD:
-            self.release_kv(request_id, "the receiver gave up")
-        elif not req.finished:
-            req.kv_unwanted = True
 
     # ---- the loop ------------------------------------------------------------------------
     @property
@@ -344,7 +325,6 @@ class Engine:
         for r in self._aborted:
             self._requests.pop(r.request_id, None)
         self._aborted.clear()
-        self._expire_holds()
         sched = self.scheduler.schedule()
         self._num_preemptions += len(sched.preempted)
         for req in sched.preempted:
@@ -448,11 +428,10 @@ class Engine:
         return [out[rid] for rid in ids]
 
     def stats(self) -> EngineStats:
-        held = sum(1 for r in self._requests.values() if r.status is Status.HELD)
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_held=held,
+            num_held=len(self._pinned),
             blocks_total=self.blocks.num_blocks,
             blocks_free=self.blocks.num_free_blocks,
             blocks_used=self.blocks.num_used_blocks,
@@ -465,7 +444,6 @@ class Engine:
             prefix_hit_tokens=self._prefix_hit_tokens,
             num_preemptions=self._num_preemptions,
             num_steps=self._num_steps,
-            num_hold_expiries=self._num_hold_expiries,
             num_draft_tokens=self._draft_tokens,
             num_accepted_tokens=self._accepted_tokens,
         )
@@ -510,7 +488,7 @@ class Engine:
         row = 0
         for s in spans:
             sink = s.request.kv_sink
-            if sink is not None:
+            if sink is not None and sink.wants_layers:
                 if s.start != s.request.stream_next:
                     self._stream_cached(s.request, sink, s.start)
                 rows.append((sink, row, row + s.num_new, s.start))
@@ -526,7 +504,7 @@ class Engine:
                 # from its own thread while the engine goes on. In the cache's storage format:
                 # int8 rows are a pure function of the values, so these are the cache's bytes.
                 data = torch.stack((encode(k[a:b]), encode(v[a:b])))
-                sink.put(KVPiece(layer, start, start + b - a, data))
+                sink.layer_computed(KVPiece(layer, start, start + b - a, data))
 
         return hook
 
@@ -542,7 +520,7 @@ class Engine:
         for layer in range(self.model_config.num_layers):
             k, v = self.cache.flat(layer)  # [kv_heads, slots, row]: the storage format
             data = torch.stack((k.index_select(1, slots), v.index_select(1, slots)))
-            sink.put(KVPiece(layer, 0, end, data.transpose(1, 2).contiguous()))
+            sink.layer_computed(KVPiece(layer, 0, end, data.transpose(1, 2).contiguous()))
 
     def _validate_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
@@ -576,19 +554,6 @@ class Engine:
                 "kv_handle", f"blocks have shape {tuple(handle.blocks.shape)}, expected {want}"
             )
 
-    def _held(self, request_id: str) -> Request:
-        req = self._requests.get(request_id)
-        if req is None or req.status is not Status.HELD:
-            raise UnknownRequestError(f"no held KV for request {request_id!r}")
-        return req
-
-    def _expire_holds(self) -> None:
-        now = time.perf_counter()
-        for req in [r for r in self._requests.values() if r.status is Status.HELD]:
-            if req.hold_deadline is not None and now > req.hold_deadline:
-                self.release_kv(req.request_id, "its lease expired")
-                self._num_hold_expiries += 1
-
     def _append_token(self, req: Request, token: int, logprob: float | None, now: float) -> None:
         req.token_ids.append(token)
         bs = self.config.block_size
@@ -613,22 +578,28 @@ class Engine:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
+        req.status = Status.FINISHED
         self.scheduler.remove(req)
-        if reason is FinishReason.PREFILLED and req.kv_unwanted:
-            req.status = Status.FINISHED
+        sink = req.kv_sink
+        if reason is FinishReason.PREFILLED and sink is not None:
+            final = self._handle(req, torch.empty(0, dtype=self.cache.k[0].dtype))
+            if sink.prefilled(final, _Pinned(self, req)):
+                self._pinned[req.request_id] = req
+                return
+        elif sink is not None:
+            sink.aborted(f"the request finished at its first token ({reason})")
+        self.blocks.free(req.request_id)
+
+    def _read_pinned(self, req: Request) -> torch.Tensor:
+        if self._pinned.get(req.request_id) is not req:
+            raise UnknownRequestError(f"no pinned KV for request {req.request_id!r}")
+        n_blocks = self.blocks.blocks_needed(req.num_computed)
+        return self.cache.read_blocks(self.blocks.block_table(req.request_id)[:n_blocks])
+
+    def _free_pinned(self, req: Request) -> None:
+        if self._pinned.get(req.request_id) is req:
+            del self._pinned[req.request_id]
             self.blocks.free(req.request_id)
-            if req.kv_sink is not None:
-                req.kv_sink.fail("the receiver gave up")
-        elif reason is FinishReason.PREFILLED:
-            req.status = Status.HELD
-            req.hold_deadline = time.perf_counter() + self.config.kv_hold_timeout_s
-            if req.kv_sink is not None:
-                req.kv_sink.finish(self._handle(req, torch.empty(0, dtype=self.cache.k[0].dtype)))
-        else:
-            req.status = Status.FINISHED
-            self.blocks.free(req.request_id)
-            if req.kv_sink is not None:
-                req.kv_sink.fail(f"the request finished at its first token ({reason})")
 
     def _output(self, req: Request) -> RequestOutput:
         new_ids = req.token_ids[max(req.sent_tokens, req.num_prompt) :]
@@ -638,7 +609,7 @@ class Engine:
         req.sent_text = max(req.sent_text, visible)
         first_lp = req.num_tokens - len(new_ids) - req.num_prompt
         t = req.timings
-        if req.finished and req.status is Status.FINISHED:
+        if req.finished:
             self._requests.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.request_id,
@@ -656,3 +627,19 @@ class Engine:
             error=req.error,
             itls=list(t.itls) if req.finished else None,
         )
+
+
+class _Pinned:
+    """A prefilled request's blocks, pinned for its KV handoff (``PinnedKV``): read and freed
+    under the engine lock by the sink that kept them."""
+
+    __slots__ = ("_engine", "_req")
+
+    def __init__(self, engine: Engine, req: Request) -> None:
+        self._engine, self._req = engine, req
+
+    def read(self) -> torch.Tensor:
+        return self._engine._read_pinned(self._req)
+
+    def free(self) -> None:
+        self._engine._free_pinned(self._req)

@@ -33,19 +33,45 @@ class KVPiece:
     data: torch.Tensor
 
 
-class KVSink(Protocol):
-    """Where a streaming prefill puts its pieces. Called on the engine thread, under the engine
-    lock: every method must return at once (queue and notify; never wait for a peer)."""
+class PinnedKV(Protocol):
+    """A prefilled request's blocks, kept in the engine's cache for a KV handoff until
+    ``free``. Both methods are called under the engine lock (by the handoff's owner, the
+    prefill replica's ``kvtransfer.outbox.Outbox``)."""
 
-    def put(self, piece: KVPiece) -> None: ...
-
-    def finish(self, handle: KVHandle) -> None:
-        """The prefill is done; ``handle`` is the final handle *without* block data (``blocks``
-        is an empty tensor): token ids with the first sampled token, hashes, logprob."""
+    def read(self) -> torch.Tensor:
+        """A copy of the blocks, ``[num_layers, 2, num_blocks, block_size, kv_heads, row]``.
+        Raises UnknownRequestError once freed (never stale data from reused blocks)."""
         ...
 
-    def fail(self, reason: str) -> None:
-        """The request ended without KV to hand over (aborted, finished at its first token), or
-        after ``finish`` its hold ended (released, expired): what was not sent is dropped.
-        Idempotent."""
+    def free(self) -> None:
+        """Give the blocks back (full ones stay in the prefix cache); idempotent."""
+        ...
+
+
+class KVSink(Protocol):
+    """The hooks a prefill-only request's KV handoff gives the engine (``kv_sink``). The engine
+    calls them on its thread, under its lock: each must return at once (queue and notify;
+    never wait for a peer). The engine keeps no handoff state of its own: what happens to the
+    KV after ``prefilled`` is the sink's to decide.
+    """
+
+    @property
+    def wants_layers(self) -> bool:
+        """Whether ``layer_computed`` is wanted (copies are taken only then)."""
+        ...
+
+    def layer_computed(self, piece: KVPiece) -> None:
+        """Layer ``piece.layer`` of positions [token_start, token_end) was just written."""
+        ...
+
+    def prefilled(self, handle: KVHandle, pinned: PinnedKV) -> bool:
+        """The prefill is done. ``handle`` has no block data (``blocks`` is empty): the token
+        ids with the first sampled token, hashes, logprob. Returns True to keep the blocks
+        pinned until ``pinned.free()``, False to have the engine free them now (nobody will
+        take them)."""
+        ...
+
+    def aborted(self, reason: str) -> None:
+        """The request ended without KV to hand over (aborted, or finished at its first
+        token)."""
         ...

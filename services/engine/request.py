@@ -16,7 +16,6 @@ from services.engine.tokenizer import IncrementalDetokenizer
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    HELD = "held"  # prefill-only, finished; blocks kept until exported/released or expired
     FINISHED = "finished"
 
 
@@ -64,9 +63,8 @@ class Request:
     seed: int
     prefill_only: bool = False
     kv_import: KVHandle | None = None
-    kv_sink: KVSink | None = None  # layer-wise streaming of a prefill-only request's KV
+    kv_sink: KVSink | None = None  # a prefill-only request's KV handoff (its hooks)
     stream_next: int = 0  # positions [0, stream_next) of every layer are in the sink
-    kv_unwanted: bool = False  # prefill-only: free instead of holding when the prefill ends
     error: str | None = None  # why it ended with FinishReason.ERROR
     status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)
@@ -78,7 +76,6 @@ class Request:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
-    hold_deadline: float | None = None
     num_preemptions: int = 0
     # stream cursors: what the caller has already been given
     sent_tokens: int = 0
@@ -98,7 +95,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status in (Status.FINISHED, Status.HELD)
+        return self.status is Status.FINISHED
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,7 +114,7 @@ class Scheduler:
             budget - 1,
             req.params.max_tokens - (req.num_tokens - req.num_prompt) - 1,
         )
-        if room <= 0 or req.prefill_only or req.kv_sink is not None:
+        if room <= 0 or req.prefill_only:
             return ()
         return tuple(propose(req.token_ids, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min))
 

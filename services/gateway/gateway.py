@@ -7,12 +7,12 @@ Request lifecycle through the gateway (disaggregated mode):
    the decode pool (colocated mode, or an *uncached* length, prompt minus the prefix the best
    decode replica holds, under ``conditional_threshold``). The hits go to the request
    router (``services.router``) with each call, which picks the replica.
-3. Prefill replica: first token + where its KV is held. Stream the first token to the client.
-   Layer-wise (``kv_streaming``): the prefill replica first names its open KV stream, and the
+3. Prefill replica (``handoff``): first token + a ``KVRef``, where its KV is held; the first
+   token goes to the client. A layer-wise ref comes first, before the prefill ends, and the
    decode call starts right then, receiving each layer while the prefill computes the next.
-4. Decode replica: pulls the KV over the transport (or has it from the stream) and streams the
-   rest. A failed transfer is re-prefilled once (whole pull, fresh request id), then the
-   request fails with 503.
+   The gateway passes the ref on unread: the prefill replica decides how its KV travels.
+4. Decode replica: receives the KV by the ref and streams the rest. A failed transfer is
+   re-prefilled once (whole pull, fresh request id), then the request fails with 503.
 5. Record timings (queue, prefill, KV transfer, TTFT, every inter-token gap) as metrics.
 If the index fails (Redis down), routing falls back to load only for ``index_retry_s`` at a
 time, counted in ``pdserve_prefix_index_errors`` and logged once per outage; serving goes on.
@@ -31,7 +31,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ray.serve.exceptions import BackPressureError
 
-from kvtransfer.transport import STREAMING
 from services.config import ServeConfig
 from services.engine.block_hash import hash_blocks
 from services.engine.errors import InvalidRequestError
@@ -43,9 +42,9 @@ from services.gateway.auth import TokenCheck
 from services.gateway.readiness import Readiness
 from services.pd_flow import (
     GenerateSpec,
+    KVRef,
     KVTransferFailedError,
     PrefillResult,
-    PrefillStarted,
     RouteHint,
     TokenChunk,
     prefill_on_decode,
@@ -267,7 +266,6 @@ class Gateway:
             cfg.max_inflight_requests, cfg.retry_after_s, self.metrics.registry
         )
         self.auth = TokenCheck(cfg.auth_token)
-        self.streaming = cfg.kv_streaming and cfg.kv_transport in STREAMING
         self.readiness = Readiness(["decode"] if prefill is None else ["prefill", "decode"])
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -380,17 +378,12 @@ class Gateway:
         else:
             decode_route = RouteHint(n, {}, False, blocks, aware)
             prefill_route = RouteHint(n, cached, True, blocks, aware)
-        prefill: PrefillResult | PrefillStarted | None = None
+        kv: KVRef | None = None
         receiving = None  # a decode call already receiving the KV layer by layer
         try:
-            if not direct and self.streaming:
-                started, result, receiving = await self._prefill_streamed(
-                    spec, timing, prefill_route, decode_route
-                )
-                prefill = started
-            elif not direct:
-                result = prefill = await self._prefill(spec, timing, prefill_route)
             if not direct:
+                result, receiving = await self._handoff(spec, timing, prefill_route, decode_route)
+                kv = result.kv
                 yield TokenChunk(
                     (result.first_token,),
                     result.first_text,
@@ -407,14 +400,14 @@ class Gateway:
             raise
         for attempt in range(2):
             gen = receiving or self.decode.options(method_name="generate", stream=True).remote(
-                spec, prefill, route=decode_route
+                spec, kv, route=decode_route
             )
             receiving = None
             first = True
             finished = False
             try:
                 async for chunk in _with_deadline(gen, deadline):
-                    if first and prefill is None:  # prefilled on the decode replica
+                    if first and direct:  # prefilled on the decode replica
                         self._observe_prefix(n, chunk.num_cached_tokens, timing)
                     first = False
                     timing.kv_transfer_s += chunk.kv_transfer_s
@@ -433,49 +426,48 @@ class Gateway:
                 # NOTE: a fresh id: the first prefill may still run (or hold) under the old
                 # one; the same seed gives the same first token
                 spec = replace(spec, request_id=f"{spec.request_id}-retry")
-                prefill = await self._prefill(spec, timing, prefill_route)
+                result, _ = await self._handoff(spec, timing, prefill_route, None)
+                kv = result.kv
             finally:
                 gen.cancel()
 
-    async def _prefill_streamed(
-        self, spec: GenerateSpec, timing: Timing, route: RouteHint, decode_route: RouteHint
-    ) -> tuple[PrefillStarted, PrefillResult, Any]:
-        """Layer-wise: the decode call starts as soon as the prefill replica opened its KV
-        stream, and receives the KV while the prefill runs. Returns (the start, the prefill's
-        result, the decode call)."""
-        calls = self.prefill.options(method_name="prefill_stream", stream=True).remote(
-            spec, route=route
+    async def _handoff(
+        self,
+        spec: GenerateSpec,
+        timing: Timing,
+        route: RouteHint,
+        decode_route: RouteHint | None,
+    ) -> tuple[PrefillResult, Any]:
+        """The prefill and its ``KVRef``. When the prefill replica hands a layer-wise ref
+        first, the decode call starts at once (``decode_route``; None asks for a whole pull:
+        the re-prefill) and receives the KV while the prefill runs. Returns (the prefill's
+        result, that decode call or None)."""
+        calls = self.prefill.options(method_name="handoff", stream=True).remote(
+            spec, route=route, layerwise=decode_route is not None
         )
         receiving = None
+        result: PrefillResult | None = None
         try:
-            it = _with_deadline(calls, self.cfg.request_timeout_s).__aiter__()
-            started = await it.__anext__()
-            assert isinstance(started, PrefillStarted)
-            receiving = self.decode.options(method_name="generate", stream=True).remote(
-                spec, started, route=decode_route
-            )
-            result = await it.__anext__()
-            assert isinstance(result, PrefillResult)
-        except StopAsyncIteration:
-            raise ServiceUnavailableError("the prefill stream ended early") from None
+            async for item in _with_deadline(calls, self.cfg.request_timeout_s):
+                if isinstance(item, KVRef):
+                    assert decode_route is not None and item.layerwise
+                    receiving = self.decode.options(method_name="generate", stream=True).remote(
+                        spec, item, route=decode_route
+                    )
+                else:
+                    result = item
         except BaseException:
             if receiving is not None:
                 receiving.cancel()
             raise
         finally:
             calls.cancel()
+        if result is None:
+            if receiving is not None:
+                receiving.cancel()
+            raise ServiceUnavailableError("the prefill stream ended early")
         self._record_prefill(spec, timing, result)
-        return started, result, receiving
-
-    async def _prefill(self, spec: GenerateSpec, timing: Timing, route: RouteHint) -> PrefillResult:
-        try:
-            result = await asyncio.wait_for(
-                self.prefill.prefill.remote(spec, route=route), timeout=self.cfg.request_timeout_s
-            )
-        except TimeoutError:
-            raise ServiceUnavailableError("prefill did not answer before the deadline") from None
-        self._record_prefill(spec, timing, result)
-        return result
+        return result, receiving
 
     def _record_prefill(self, spec: GenerateSpec, timing: Timing, result: PrefillResult) -> None:
         timing.queue_s = result.queue_s

@@ -1,13 +1,14 @@
 """Prefill replica (a plain class; the Ray Serve deployment is made in ``services.app``).
 
-Request lifecycle on a prefill replica:
-1. ``prefill(spec)`` runs the prompt (prefix-cache reuse, chunked) as a prefill-only request.
-2. The first token is sampled; the request's KV blocks are HELD by the engine.
-3. The reply names this replica's KV transfer address; a decode replica pulls the blocks and
-   releases them, or the engine frees them after ``kv_hold_timeout_s``.
-Layer-wise (``prefill_stream``, transports that stream): a KV stream is opened and named
-*before* step 1, the engine puts each layer's KV into it as it is written, and the decode
-replica receives it while the prefill runs; the blocks are still held until released.
+Request lifecycle on a prefill replica (``handoff``):
+1. An entry is opened in the replica's ``Outbox`` (``kvtransfer.outbox``), the one owner of
+   the request's KV handoff; the reply's ``KVRef`` names it. Layer-wise (the transport streams
+   and ``kv_streaming`` is on: decided here, nowhere else), the ref is yielded at once, so a
+   decode replica attaches and receives each layer while the prefill computes the next.
+2. The prompt runs as a prefill-only request (prefix-cache reuse, chunked) with the entry as
+   its ``kv_sink``; the first token is sampled and the entry holds the blocks (HELD).
+3. A decode replica pulls (or has streamed) the blocks and releases them, or the entry's lease
+   (``kv_hold_timeout_s``) frees them.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvtransfer.outbox import Entry, Outbox, OutboxConfig
 from kvtransfer.selftest import self_test
-from kvtransfer.source import EngineKVSource
-from kvtransfer.stream import KVStream
 from kvtransfer.transport import get_transport
 from services.config import ServeConfig
 from services.engine.async_engine import EngineStalledError
 from services.engine.request import FinishReason, RequestOutput
-from services.pd_flow import GenerateSpec, PrefillResult, PrefillStarted, RouteHint
+from services.pd_flow import GenerateSpec, KVRef, PrefillResult, RouteHint
 from services.replica import EngineReplica, node_ip, open_index, replica_identity
 
 
@@ -34,18 +34,30 @@ class PrefillServer(EngineReplica):
     def __init__(self, cfg: ServeConfig, index_handle: Any = None) -> None:
         super().__init__(cfg, cfg.prefill, "prefill", open_index(cfg, index_handle))
         transport = get_transport(cfg.kv_transport)  # NOTE: raises if it cannot work here
-        self.metrics.observe_self_test(self_test(transport, self.engine.engine.fingerprint))
-        self.kv_source = EngineKVSource(
-            self.engine.engine, self.engine.lock, cfg.kv_stream_buffer_mb << 20, self._progressing
+        engine = self.engine.engine
+        self.metrics.observe_self_test(self_test(transport, engine.fingerprint))
+        self.outbox = Outbox(
+            engine.fingerprint,
+            lambda: self.engine.lock,
+            OutboxConfig(cfg.kv_hold_timeout_s, cfg.kv_stream_buffer_mb << 20),
+            progressing=self._progressing,
         )
-        self.streaming = transport.streaming
+        # NOTE: the one place that decides whether handoffs stream layer by layer
+        self.layerwise = cfg.kv_streaming and transport.streaming
         options: dict[str, Any] = {"lease_s": cfg.kv_hold_timeout_s}
         if transport.name in ("grpc", "shm"):
             # NOTE: a layer-wise StreamKV holds one server thread for a whole prefill: one per
             # request this replica may run at once, plus a few for pulls and releases (4 fixed
             # threads let 4 long prefills starve every other transfer)
             options["max_workers"] = cfg.prefill.max_num_seqs + 4
-        self.kv_server = transport.serve(self.kv_source, node_ip(), cfg.kv_port, **options)
+        self.kv_server = transport.serve(self.outbox, node_ip(), cfg.kv_port, **options)
+        self._leases_stop = threading.Event()
+        threading.Thread(target=self._expire_leases, name="kv-leases", daemon=True).start()
+
+    def _expire_leases(self) -> None:
+        period = min(1.0, self.cfg.kv_hold_timeout_s / 4)
+        while not self._leases_stop.wait(period):
+            self.metrics.observe_lease_expiries(self.outbox.expire())
 
     def _progressing(self) -> bool:
         """The engine loop runs and steps (streams send heartbeats only then): half the
@@ -56,31 +68,38 @@ class PrefillServer(EngineReplica):
             return False
         return True
 
-    async def prefill(self, spec: GenerateSpec, route: RouteHint | None = None) -> PrefillResult:
-        """``route`` is read by the request router in the caller's process, not here."""
-        return await self._prefill(spec, None)
-
-    async def prefill_stream(
-        self, spec: GenerateSpec, route: RouteHint | None = None
-    ) -> AsyncIterator[PrefillStarted | PrefillResult]:
-        """Layer-wise: yields ``PrefillStarted`` at once (the KV stream is open, a decode
-        replica may attach), then the ``PrefillResult`` when the prefill is done."""
-        if not self.streaming:
-            raise ValueError(f"KV transport {self.cfg.kv_transport!r} does not stream")
-        stream = self.kv_source.open_stream(spec.request_id, len(spec.prompt_ids))
+    async def handoff(
+        self, spec: GenerateSpec, route: RouteHint | None = None, layerwise: bool = True
+    ) -> AsyncIterator[KVRef | PrefillResult]:
+        """The prefill and its KV handoff: a layer-wise ``KVRef`` at once when this replica
+        streams (and ``layerwise``: the gateway asks for a whole pull when it re-prefills),
+        then the ``PrefillResult`` (its ``kv`` is the ref to take the KV by, None when the first
+        token ended the request). ``route`` is read by the request router in the caller's
+        process, not here."""
+        layerwise = layerwise and self.layerwise
+        entry = self.outbox.open(spec.request_id, len(spec.prompt_ids), layerwise)
+        ref = KVRef(spec.request_id, self.kv_server.address, layerwise)
         try:
-            yield PrefillStarted(spec.request_id, self.kv_server.address)
-            yield await self._prefill(spec, stream)
+            if layerwise:
+                yield ref
+            yield await self._prefill(spec, entry, ref)
         finally:
-            # NOTE: a no-op once the prefill finished (the hold's end closes it); otherwise
-            # (an error, the caller went away) the receiver learns at once
-            if not stream.finished:
-                stream.fail("the prefill call ended early")
+            # NOTE: a no-op once prefilled (the release or the lease ends it); otherwise (an
+            # error, the caller went away) the receiver learns at once
+            self.outbox.cancel(spec.request_id, "the prefill call ended early")
 
-    async def _prefill(self, spec: GenerateSpec, sink: KVStream | None) -> PrefillResult:
+    async def prefill(self, spec: GenerateSpec, route: RouteHint | None = None) -> PrefillResult:
+        """``handoff`` for a whole pull, as one call."""
+        result = None
+        async for item in self.handoff(spec, layerwise=False):
+            result = item
+        assert isinstance(result, PrefillResult)
+        return result
+
+    async def _prefill(self, spec: GenerateSpec, entry: Entry, ref: KVRef) -> PrefillResult:
         out: RequestOutput | None = None
         async for o in self.engine.generate(
-            spec.request_id, spec.prompt_ids, spec.params, prefill_only=True, kv_sink=sink
+            spec.request_id, spec.prompt_ids, spec.params, prefill_only=True, kv_sink=entry
         ):
             out = o
         assert out is not None and out.finished
@@ -93,7 +112,7 @@ class PrefillServer(EngineReplica):
             first_text=out.new_text,
             first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
             finish_reason=None if held else str(out.finish_reason),
-            kv_address=self.kv_server.address if held else None,
+            kv=ref if held else None,
             queue_s=queue_s,
             prefill_s=prefill_s,
             num_cached_tokens=out.num_cached_tokens,
@@ -131,13 +150,17 @@ class PrefillServer(EngineReplica):
         server.set_message_hook(flip if n > 0 else None)
         return replica_identity()
 
-    def kv_stream_stats(self) -> dict[str, int]:
-        """Layer-wise streams: receivers that attached while the prefill ran ("early": the
-        transfer overlapped it) or after it ("late"), streams open now, streams that spilled
-        (the stream buffer was full) and the bytes queued now."""
-        return self.kv_source.stream_stats()
+    def kv_handoff_stats(self) -> dict[str, int]:
+        """The Outbox: handoffs by live state (open, streaming, held), ended ones by how
+        (ended_released, ended_expired, ended_failed), receivers that attached while the
+        prefill ran ("early": the transfer overlapped it) or after it ("late"), streams that
+        spilled (the stream buffer was full) and the bytes queued now."""
+        return self.outbox.stats()
 
     def __del__(self) -> None:
-        # NOTE: replicas are torn down by Ray; stop the transport server and the loop thread
+        # NOTE: replicas are torn down by Ray; stop the transport server, the leases and the
+        # loop thread
+        self._leases_stop.set()
         self.kv_server.stop(0)
+        self.outbox.close()
         self.shutdown()

@@ -47,7 +47,7 @@ def test_a_layer_wise_stream_overlaps_its_prefill(apps, smollm_engine, t):
     from services.engine.sampling_params import SamplingParams
 
     prefill = serve.get_deployment_handle("prefill", app_name=f"kv-{t}")
-    before = prefill.kv_stream_stats.remote().result()
+    before = prefill.kv_handoff_stats.remote().result()
     # long enough (about a second of CPU prefill) for the decode replica to attach mid-way
     ids = [(7 * i) % 20000 + 100 for i in range(700)]
     (want,) = smollm_engine.generate(
@@ -56,9 +56,11 @@ def test_a_layer_wise_stream_overlaps_its_prefill(apps, smollm_engine, t):
     body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     got, resp = complete(body, prefix=f"/kv-{t}")
     assert got == want
-    after = prefill.kv_stream_stats.remote().result()
+    after = prefill.kv_handoff_stats.remote().result()
     assert after["early"] == before["early"] + 1  # received while the prefill still ran
-    assert after["open"] == 0 and after["queued_bytes"] == 0  # released: nothing left
+    # released: nothing open, held or queued; this handoff ended by its release
+    assert after["open"] == after["streaming"] == after["held"] == after["queued_bytes"] == 0
+    assert after["ended_released"] == before["ended_released"] + 1
     assert after["spilled"] == before["spilled"]  # within the stream buffer
     assert resp["pdserve_timing"]["num_cached_tokens"] == 0
 
@@ -68,8 +70,9 @@ def test_whole_pulls_open_no_stream(apps):
     body = {"prompt": "Name a planet:", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     got, resp = complete(body, prefix="/kv-whole")
     assert len(got) == 3 and resp["pdserve_timing"]["kv_transfer_s"] > 0
-    stats = prefill.kv_stream_stats.remote().result()
-    assert stats == {"early": 0, "late": 0, "open": 0, "spilled": 0, "queued_bytes": 0}
+    stats = prefill.kv_handoff_stats.remote().result()
+    assert stats["early"] == stats["late"] == stats["spilled"] == stats["queued_bytes"] == 0
+    assert stats["open"] == stats["held"] == 0 and stats["ended_released"] >= 1
 
 
 def test_each_replica_reports_the_transport_it_tested(apps):

@@ -6,9 +6,12 @@ fault bench found seeded requests that then diverged, and resumed replays that d
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
+from kvtransfer.outbox import Outbox
 from services.config import load_config
 from services.engine.engine import Engine, resolve_batch_invariant
 from services.engine.row_roles import RowRoles, by_role
@@ -24,7 +27,7 @@ MANY = 20  # decode steps of more than 16 rows
 
 
 def _engine(invariant: bool, role: str) -> Engine:
-    cfg = load_config(overrides={"batch_invariant": invariant}, environ={})
+    cfg = load_config(overrides={"batch_invariant": invariant, "dtype": "float32"}, environ={})
     return Engine.from_path(None, cfg.engine_config(cfg.prefill, role))  # type: ignore[arg-type]
 
 
@@ -32,17 +35,15 @@ def _prompt_kv(
     engine: Engine, batch: list[int], prompts: list[list[int]]
 ) -> dict[int, torch.Tensor]:
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    box = Outbox(engine.fingerprint, contextlib.nullcontext)
     for i in batch:
-        engine.add_request(f"r{i}", prompts[i], sp)
+        entry = box.open(f"r{i}", len(prompts[i]), False)
+        engine.add_request(f"r{i}", prompts[i], sp, kv_sink=entry)
     while engine.has_unfinished:
         engine.step()
     # the prompt's positions (a block's tail past them is stale memory, never read)
-    out = {
-        i: engine.export_kv(f"r{i}").blocks.flatten(2, 3)[:, :, : len(prompts[i])].clone()
-        for i in batch
-    }
-    for i in batch:
-        engine.release_kv(f"r{i}")
+    out = {i: box.get(f"r{i}").blocks.flatten(2, 3)[:, :, : len(prompts[i])].clone() for i in batch}
+    box.close()
     return out
 
 

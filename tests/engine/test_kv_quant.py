@@ -18,6 +18,7 @@ from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCache
 from services.engine.sampling_params import SamplingParams
 from tests.engine.test_kv_stream import Assembler, _check, _prefill
+from tests.fixtures import prefill_for_handoff
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 MODEL = "llama-hd64"
@@ -72,13 +73,9 @@ def test_every_path_gives_the_same_tokens(make_engine, backend):
     (solo,) = make_engine(MODEL, **cfg).generate([prompt], GREEDY)
     pre = make_engine(MODEL, role="prefill", **cfg)
     dec = make_engine(MODEL, role="decode", **cfg)
-    pre.add_request("r", prompt, GREEDY, prefill_only=True)
-    while pre.has_unfinished:
-        pre.step()
-    handle = pre.export_kv("r")
+    _, handle = prefill_for_handoff(pre, "r", prompt, GREEDY)
     assert handle.fingerprint.dtype == "int8" and handle.blocks.dtype == torch.uint8
     assert handle.blocks.shape[-1] == 72
-    pre.release_kv("r")
     dec.add_request("r", prompt, GREEDY, kv_handle=handle)
     got: list[int] = []
     while dec.has_unfinished:
@@ -97,11 +94,7 @@ def test_a_float_handle_is_refused_by_an_int8_engine(make_engine):
     pre = make_engine(MODEL, role="prefill")
     dec = make_engine(MODEL, role="decode", kv_cache_dtype="int8")
     prompt = list(range(3, 20))
-    pre.add_request("r", prompt, GREEDY, prefill_only=True)
-    while pre.has_unfinished:
-        pre.step()
-    handle = pre.export_kv("r")
-    pre.release_kv("r")
+    _, handle = prefill_for_handoff(pre, "r", prompt, GREEDY)
     with pytest.raises(LayoutMismatchError, match="dtype: 'float32' != 'int8'"):
         dec.add_request("r", prompt, GREEDY, kv_handle=handle)
 
@@ -127,7 +120,9 @@ def test_smollm2_int8_kv_tracks_the_float_cache():
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=True)
     runs = []
     for kv in ("auto", "int8"):
-        eng = Engine.from_path(None, EngineConfig(num_kv_blocks=64, kv_cache_dtype=kv))
+        eng = Engine.from_path(
+            None, EngineConfig(num_kv_blocks=64, kv_cache_dtype=kv, dtype="float32")
+        )
         assert eng.tokenizer is not None
         outs = []
         for i, text in enumerate(prompts):

@@ -1,6 +1,7 @@
-"""Layer-wise KV streaming: the pieces a prefill emits, applied in order, equal ``export_kv``
-bit for bit: cold, with prefix hits, chunked, preempted; a request that ends without KV fails
-its sink."""
+"""The engine's KV handoff hooks: the pieces a prefill emits (``layer_computed``), applied in
+order, equal the pinned KV it hands to ``prefilled``, bit for bit: cold, with prefix hits,
+chunked, preempted; a request that ends without KV calls ``aborted``; a sink that does not keep
+the KV has it freed at once."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import random
 import pytest
 import torch
 
-from services.engine.errors import InvalidRequestError
+from services.engine.errors import InvalidRequestError, UnknownRequestError
 from services.engine.kv_handle import KVHandle
-from services.engine.kv_stream import KVPiece
+from services.engine.kv_stream import KVPiece, PinnedKV
 from services.engine.request import FinishReason
 from services.engine.sampling_params import SamplingParams
 
@@ -19,21 +20,29 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
 class Assembler:
-    """A sink that rebuilds the block tensor the way a receiver does."""
+    """A sink that rebuilds the block tensor the way a receiver does, and keeps the pinned KV
+    (``keep``) to compare with."""
 
-    def __init__(self) -> None:
+    wants_layers = True
+
+    def __init__(self, keep: bool = True) -> None:
         self.pieces: list[KVPiece] = []
         self.final: KVHandle | None = None
+        self.pinned: PinnedKV | None = None
         self.failed: str | None = None
+        self.keep = keep
 
-    def put(self, piece: KVPiece) -> None:
+    def layer_computed(self, piece: KVPiece) -> None:
         assert self.final is None and self.failed is None, "a piece after the end"
         self.pieces.append(piece)
 
-    def finish(self, handle: KVHandle) -> None:
-        self.final = handle
+    def prefilled(self, handle: KVHandle, pinned: PinnedKV) -> bool:
+        assert self.final is None and self.failed is None, "prefilled twice, or after a failure"
+        self.final, self.pinned = handle, pinned
+        return self.keep
 
-    def fail(self, reason: str) -> None:
+    def aborted(self, reason: str) -> None:
+        assert self.final is None, "aborted after prefilled"
         self.failed = self.failed or reason
 
     def blocks(self, like: torch.Tensor) -> torch.Tensor:
@@ -58,14 +67,16 @@ def _prefill(eng, rid, prompt, sink, params=GREEDY):
 
 
 def _check(eng, rid, sink):
-    want = eng.export_kv(rid)
-    got = sink.blocks(want.blocks)
-    n = want.num_computed
-    flat = want.blocks.flatten(2, 3)[:, :, :n]
-    assert torch.equal(got.flatten(2, 3)[:, :, :n], flat)
-    assert sink.final.token_ids == want.token_ids and sink.final.block_hashes == want.block_hashes
-    eng.release_kv(rid)
-    assert sink.failed is not None  # the hold ended after finish: a sink drops what is unsent
+    want = sink.pinned.read()
+    got = sink.blocks(want)
+    n = sink.final.num_computed
+    assert n == len(sink.final.token_ids) - 1 and sink.final.blocks.numel() == 0
+    assert torch.equal(got.flatten(2, 3)[:, :, :n], want.flatten(2, 3)[:, :, :n])
+    assert eng.stats().num_held >= 1
+    sink.pinned.free()
+    sink.pinned.free()  # idempotent
+    with pytest.raises(UnknownRequestError):
+        sink.pinned.read()  # never stale blocks
 
 
 @pytest.mark.parametrize("prompt_len,chunk", [(1, 256), (13, 256), (40, 256), (40, 12)])
@@ -135,5 +146,16 @@ def test_a_request_that_ends_without_kv_fails_its_sink(make_engine):
     eng.abort("x")
     eng.step()
     assert aborted.failed == "the request was aborted"
+    assert eng.blocks.num_used_blocks == 0 and eng.stats().num_held == 0
     with pytest.raises(InvalidRequestError, match="kv_sink"):
         make_engine().add_request("y", prompt, GREEDY, kv_sink=Assembler())
+
+
+def test_a_sink_that_does_not_keep_the_kv_has_it_freed(make_engine):
+    eng = make_engine(role="prefill")
+    sink = Assembler(keep=False)
+    out = _prefill(eng, "r", list(range(3, 20)), sink)
+    assert out.finish_reason is FinishReason.PREFILLED and sink.final is not None
+    assert eng.blocks.num_used_blocks == 0 and eng.stats().num_held == 0
+    with pytest.raises(UnknownRequestError):
+        sink.pinned.read()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from services.engine.sampling_params import SamplingParams
+from tests.fixtures import prefill_for_handoff
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 MARGIN = {"bfloat16": 0.25, "float16": 0.03}
@@ -80,12 +81,8 @@ def test_bf16_generation_and_handoff_complete(make_engine, role_pair):
         return
     pre = make_engine(role="prefill", dtype="bfloat16")
     dec = make_engine(role="decode", dtype="bfloat16")
-    pre.add_request("r", prompt, params)
-    while pre.has_unfinished:
-        pre.step()
-    handle = pre.export_kv("r")
+    _, handle = prefill_for_handoff(pre, "r", prompt, params)
     assert handle.blocks.dtype == torch.bfloat16 and handle.fingerprint.dtype == "bfloat16"
-    pre.release_kv("r")
     dec.add_request("r", prompt, params, kv_handle=handle)
     got: list[int] = []
     while dec.has_unfinished:

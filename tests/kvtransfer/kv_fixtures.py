@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from kvtransfer.base import check_layout
 from kvtransfer.stream import KVStream, StreamBuffer
 from services.engine import kv_quant
 from services.engine.errors import UnknownRequestError
@@ -37,11 +38,13 @@ class DictSource:
         if stream is not None:
             stream.fail("released")
 
-    def stream(self, request_id: str) -> KVStream | None:
-        return self.streams.get(request_id)
-
-    def stream_attached(self, early: bool) -> None:
-        self.attached.append(early)
+    def attach(self, request_id: str, want: LayoutFingerprint) -> KVStream:
+        stream = self.streams.get(request_id)
+        if stream is None:
+            raise UnknownRequestError(f"no KV stream open for request {request_id!r}")
+        check_layout(stream.fingerprint, want)
+        self.attached.append(stream.attach())
+        return stream
 
     def open_stream(
         self,
@@ -57,9 +60,7 @@ class DictSource:
                 raise UnknownRequestError(h.request_id)
             return self.handles[h.request_id]
 
-        stream = KVStream(
-            h.request_id, h.fingerprint, h.num_computed, None, buffer, held, progressing
-        )
+        stream = KVStream(h.request_id, h.fingerprint, h.num_computed, buffer, held, progressing)
         self.streams[h.request_id] = stream
         return stream
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtransfer.grpc_transport import GrpcKVClient, GrpcKVServer
-from kvtransfer.source import EngineKVSource
+from kvtransfer.outbox import Outbox, OutboxConfig
 from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
@@ -90,12 +90,14 @@ def test_engine_handoff_over_grpc_gives_solo_tokens(make_engine, client):
     (solo,) = make_engine().generate([prompt], params)
     pre, dec = make_engine(role="prefill"), make_engine(role="decode")
     lock = threading.Lock()
-    server = get_transport("grpc").serve(EngineKVSource(pre, lock))
+    outbox = Outbox(pre.fingerprint, lambda: lock)
+    server = get_transport("grpc").serve(outbox)
     try:
         with lock:
-            pre.add_request("r", prompt, params)
+            pre.add_request("r", prompt, params, kv_sink=outbox.open("r", len(prompt), False))
             while pre.has_unfinished:
                 pre.step()
+        assert pre.stats().num_held == 1
         handle = client.pull(server.address, "r", dec.fingerprint, timeout_s=10)
         client.release(server.address, "r", 5)
         client.release(server.address, "r", 5)  # idempotent
@@ -116,18 +118,19 @@ def test_an_engine_stream_within_its_buffer_bound_gives_solo_tokens(make_engine,
     (solo,) = make_engine().generate([prompt], params)
     pre, dec = make_engine(role="prefill"), make_engine(role="decode")
     lock = threading.Lock()
-    source = EngineKVSource(pre, lock, None if buffer_mb is None else buffer_mb << 20)
-    server = get_transport("grpc").serve(source)
+    cap = None if buffer_mb is None else buffer_mb << 20
+    outbox = Outbox(pre.fingerprint, lambda: lock, OutboxConfig(stream_buffer_bytes=cap))
+    server = get_transport("grpc").serve(outbox)
     try:
-        stream = source.open_stream("r", len(prompt))
+        entry = outbox.open("r", len(prompt), stream=True)
         with lock:  # the receiver attaches late: every piece is queued first
-            pre.add_request("r", prompt, params, kv_sink=stream)
+            pre.add_request("r", prompt, params, kv_sink=entry)
             while pre.has_unfinished:
                 pre.step()
         handle, _ = client.pull_stream(server.address, "r", dec.fingerprint, 10)
         client.release(server.address, "r", 5)
-        stats = source.stream_stats()
-        assert stats["open"] == 0 and pre.blocks.num_used_blocks == 0
+        stats = outbox.stats()
+        assert stats["held"] == 0 and stats["late"] == 1 and pre.blocks.num_used_blocks == 0
         if buffer_mb is not None:
             assert stats["spilled"] == (buffer_mb == 0) and stats["queued_bytes"] == 0
     finally:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 
@@ -12,6 +13,7 @@ import torch
 
 from kvtransfer import wire
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
+from tests.kvtransfer.kv_fixtures import random_handle
 
 CRC = {"crc32": zlib.crc32, "crc32c": lambda b: google_crc32c.value(bytes(b))}
 
@@ -82,3 +84,12 @@ def test_host_transfers_use_crc32c_when_its_c_code_is_installed():
     # NOTE: deploy/setup.sh installs google-crc32c; a pure-Python fallback would be slower
     # than zlib, so the kind falls back to crc32 then
     assert wire.host_checksum_kind() == "crc32c"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kv_on_a_gpu_is_encoded_through_host_memory():
+    h = random_handle()
+    on_gpu = dataclasses.replace(h, blocks=h.blocks.cuda())
+    got = wire.decode(iter(list(wire.encode(on_gpu))), h.fingerprint)
+    assert torch.equal(got.blocks.view(torch.uint8), h.blocks.view(torch.uint8))

@@ -1,0 +1,293 @@
+"""The prefill side's one owner of every KV handoff: the Outbox.
+
+A prefill replica opens an entry per request before the engine runs it; the entry is the
+engine's ``KVSink`` (its hooks: layer computed, prefilled, aborted) and every transport server
+serves from the Outbox (``KVSource``: ``get`` for a whole pull, ``attach`` for a layer-wise
+stream, ``release``). Nothing else decides when a request's KV is freed.
+
+States of one entry (``Handoff``), and who moves it::
+
+    OPEN ──attach (receiver)──> STREAMING
+    OPEN, STREAMING ──prefilled (engine)──> HELD          the lease starts
+    OPEN, STREAMING ──aborted (engine) / cancel (replica)──> FAILED
+    OPEN, STREAMING ──release (receiver gave up)──> RELEASED   the engine frees the blocks at
+                                                               its prefilled hook
+    HELD ──release (receiver)──> RELEASED                 the blocks are freed now
+    HELD ──lease passes (expire)──> EXPIRED               likewise
+    HELD ──attach (a late receiver)──> HELD               its stream starts from the held KV
+
+Terminal states (RELEASED, EXPIRED, FAILED) leave the table: a later ``get`` or ``attach`` gets
+UnknownRequestError (the transports answer NOT_FOUND), a later ``release`` is a no-op.
+
+Invariants:
+- one lock (``_lock``) guards the table and every transition; the clock is injected;
+- the engine calls the hooks on its own thread, holding the engine lock, and the hooks take
+  ``_lock``: so ``_lock`` is never held while taking the engine lock (``locked``). Blocks are
+  read and freed under the engine lock only, after the transition that decided it;
+- a pinned KV is freed exactly once: by the transition out of HELD (release, expire, close), or
+  by the engine when ``prefilled`` answers False (the entry ended while the prefill ran).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.base import StreamBusyError, check_layout
+from kvtransfer.stream import KVStream, StreamBuffer
+from services.engine.errors import UnknownRequestError
+from services.engine.kv_handle import KVHandle, LayoutFingerprint
+from services.engine.kv_stream import KVPiece, PinnedKV
+
+
+class Handoff(enum.Enum):
+    OPEN = "open"
+    STREAMING = "streaming"
+    HELD = "held"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    FAILED = "failed"
+
+
+TERMINAL = frozenset({Handoff.RELEASED, Handoff.EXPIRED, Handoff.FAILED})
+_NEXT: dict[Handoff, frozenset[Handoff]] = {
+    Handoff.OPEN: frozenset({Handoff.STREAMING, Handoff.HELD, Handoff.RELEASED, Handoff.FAILED}),
+    Handoff.STREAMING: frozenset({Handoff.HELD, Handoff.RELEASED, Handoff.FAILED}),
+    Handoff.HELD: frozenset({Handoff.RELEASED, Handoff.EXPIRED}),
+}
+
+
+class IllegalTransitionError(AssertionError):
+    """A transition the state diagram does not have: a bug, never a peer's doing."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxConfig:
+    """lease_s: how long HELD KV waits for its receiver's release; stream_buffer_bytes: bound
+    on pieces queued across the open streams (None: unbounded; see ``kvtransfer.stream``)."""
+
+    lease_s: float = 60.0
+    stream_buffer_bytes: int | None = None
+
+
+class Entry:
+    """One request's handoff; the engine's ``KVSink`` for it (hooks run on the engine thread,
+    under the engine lock, and never wait for a peer)."""
+
+    def __init__(self, outbox: Outbox, request_id: str, stream: KVStream | None) -> None:
+        self._outbox = outbox
+        self.request_id = request_id
+        self.state = Handoff.OPEN
+        self.stream = stream  # None: whole pulls only (no layer copies are taken)
+        self.pinned: PinnedKV | None = None  # set while HELD
+        self.handle: KVHandle | None = None  # the final handle without block data (HELD)
+        self.deadline = 0.0  # the lease's end (outbox clock), once HELD
+        self.attached_early: bool | None = None
+
+    # ---- the engine's hooks ---------------------------------------------------------------
+    @property
+    def wants_layers(self) -> bool:
+        return self.stream is not None
+
+    def layer_computed(self, piece: KVPiece) -> None:
+        if self.stream is not None:
+            self.stream.put(piece)
+
+    def prefilled(self, handle: KVHandle, pinned: PinnedKV) -> bool:
+        return self._outbox._prefilled(self, handle, pinned)
+
+    def aborted(self, reason: str) -> None:
+        self._outbox._fail(self.request_id, reason)
+
+
+class Outbox:
+    """Args:
+    fingerprint: the engine's KV layout (what receivers must match).
+    locked: the engine lock, as a context manager factory (blocks are read and freed under it).
+    clock: monotonic seconds (injected; tests drive it).
+    progressing: whether the engine makes progress (streams send heartbeats only then).
+    """
+
+    def __init__(
+        self,
+        fingerprint: LayoutFingerprint,
+        locked: Callable[[], AbstractContextManager[object]],
+        config: OutboxConfig = OutboxConfig(),
+        clock: Callable[[], float] = time.monotonic,
+        progressing: Callable[[], bool] | None = None,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.config = config
+        self._locked = locked
+        self._clock = clock
+        self._progressing = progressing
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+        self.buffer = (
+            None if config.stream_buffer_bytes is None else StreamBuffer(config.stream_buffer_bytes)
+        )
+        # every handoff's end, by terminal state; receivers that attached early / late
+        self.ended = {s.value: 0 for s in TERMINAL}
+        self.attached = {"early": 0, "late": 0}
+
+    # ---- the replica's side ---------------------------------------------------------------
+    def open(self, request_id: str, num_tokens: int, stream: bool) -> Entry:
+        """An entry for a request about to be added to the engine with it as its ``kv_sink``;
+        ``stream``: receivers may attach layer-wise (the engine copies out each layer)."""
+        s = None
+        if stream:
+            s = KVStream(
+                request_id,
+                self.fingerprint,
+                num_tokens,
+                buffer=self.buffer,
+                refill=lambda: self._read(request_id),
+                progressing=self._progressing,
+            )
+        entry = Entry(self, request_id, s)
+        with self._lock:
+            if request_id in self._entries:
+                raise ValueError(f"a KV handoff for {request_id!r} is already open")
+            self._entries[request_id] = entry
+        return entry
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        """The prefill call ended before the prefill did (an error, the caller went away):
+        the receiver learns at once. A no-op once prefilled (the lease or release ends it)."""
+        self._fail(request_id, reason)
+
+    def expire(self) -> int:
+        """End every HELD entry whose lease passed; returns how many."""
+        now = self._clock()
+        with self._lock:
+            due = [
+                e for e in self._entries.values() if e.state is Handoff.HELD and e.deadline <= now
+            ]
+            for e in due:
+                self._end(e, Handoff.EXPIRED)
+        for e in due:
+            self._free(e, "its lease expired")
+        return len(due)
+
+    def next_expiry(self) -> float | None:
+        """The earliest lease end (outbox clock) among HELD entries; None if none."""
+        with self._lock:
+            ends = [e.deadline for e in self._entries.values() if e.state is Handoff.HELD]
+        return min(ends, default=None)
+
+    def close(self) -> None:
+        """Free everything (the replica is going away): held KV is released, the rest failed."""
+        with self._lock:
+            ids = list(self._entries)
+        for rid in ids:
+            self.release(rid)
+
+    # ---- the transports' side (KVSource) --------------------------------------------------
+    def get(self, request_id: str) -> KVHandle | None:
+        try:
+            return self._read(request_id)
+        except UnknownRequestError:
+            return None
+
+    def attach(self, request_id: str, want: LayoutFingerprint) -> KVStream:
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None or e.stream is None:
+                raise UnknownRequestError(f"no KV stream open for request {request_id!r}")
+            check_layout(self.fingerprint, want)
+            if e.attached_early is not None:
+                raise StreamBusyError(f"the KV stream of {request_id!r} has a receiver")
+            early = e.state is Handoff.OPEN
+            e.attached_early = early
+            if early:
+                self._move(e, Handoff.STREAMING)
+            self.attached["early" if early else "late"] += 1
+            e.stream.attach()
+            return e.stream
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None:
+                return  # released, expired or failed already: idempotent
+            self._end(e, Handoff.RELEASED)
+        self._free(e, "the receiver released it")
+
+    # ---- reading ----------------------------------------------------------------------------
+    def state(self, request_id: str) -> Handoff | None:
+        """The entry's state; None once it ended (or was never opened)."""
+        with self._lock:
+            e = self._entries.get(request_id)
+            return None if e is None else e.state
+
+    def stats(self) -> dict[str, int]:
+        """Entries by live state, ends by terminal state, receivers early / late, spilled
+        streams and bytes queued now."""
+        with self._lock:
+            live = {s.value: 0 for s in Handoff if s not in TERMINAL}
+            for e in self._entries.values():
+                live[e.state.value] += 1
+            out = {**live, **{f"ended_{k}": v for k, v in self.ended.items()}, **self.attached}
+        if self.buffer is not None:
+            out |= {"spilled": self.buffer.spilled, "queued_bytes": self.buffer.used}
+        return out
+
+    # ---- transitions (under _lock) ----------------------------------------------------------
+    def _move(self, e: Entry, to: Handoff) -> None:
+        if to not in _NEXT.get(e.state, frozenset()):
+            raise IllegalTransitionError(f"{e.request_id!r}: {e.state.value} -> {to.value}")
+        e.state = to
+
+    def _end(self, e: Entry, to: Handoff) -> None:
+        self._move(e, to)
+        del self._entries[e.request_id]
+        self.ended[to.value] += 1
+
+    def _prefilled(self, e: Entry, handle: KVHandle, pinned: PinnedKV) -> bool:
+        """The engine's hook (engine thread, engine lock held): keep the blocks (HELD) or,
+        when the entry already ended, tell the engine to free them now."""
+        with self._lock:
+            if self._entries.get(e.request_id) is not e:
+                return False
+            self._move(e, Handoff.HELD)
+            e.pinned, e.handle = pinned, handle
+            e.deadline = self._clock() + self.config.lease_s
+        if e.stream is not None:
+            e.stream.finish(handle)
+        return True
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None or e.state is Handoff.HELD:
+                return
+            self._end(e, Handoff.FAILED)
+        if e.stream is not None:
+            e.stream.fail(reason)
+
+    # ---- the engine's blocks (under the engine lock, never under _lock) ----------------------
+    def _read(self, request_id: str) -> KVHandle:
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None or e.state is not Handoff.HELD:
+                raise UnknownRequestError(f"no held KV for request {request_id!r}")
+            pinned, handle = e.pinned, e.handle
+        assert pinned is not None and handle is not None
+        with self._locked():
+            blocks: torch.Tensor = pinned.read()  # raises UnknownRequestError once freed
+        return dataclasses.replace(handle, blocks=blocks)
+
+    def _free(self, e: Entry, reason: str) -> None:
+        pinned, e.pinned = e.pinned, None
+        if pinned is not None:
+            with self._locked():
+                pinned.free()
+        if e.stream is not None:
+            e.stream.fail(f"the KV hold ended: {reason}")
