@@ -37,6 +37,7 @@ def main() -> None:
         max_num_batched_tokens=2048,
         max_num_seqs=64,
         quantization=args.quantization,
+        dtype="float32",  # NOTE: the cpu backend (batch invariance) runs fp32; auto is bf16 on AMX
     )
     engines = {
         "invariant": Engine.from_path(None, EngineConfig(**cfg)),  # type: ignore[arg-type]
