@@ -98,7 +98,7 @@ def prefill_side(conn: Any, transport: str, smoke: bool, max_len: int) -> None:
         entry = outbox.open(rid, len(ids), layerwise)
         with lock:
             engine.add_request(rid, ids, GREEDY, kv_sink=entry)
-        conn.send("open")
+        conn.send(("open", entry.secret))  # NOTE: what the KVRef carries to the decode side
         start = time.time()
         first = None
         while first is None:
@@ -173,8 +173,8 @@ def handoff(
 ) -> dict[str, Any]:
     rid = f"h{len(ids)}-{layerwise}-{time.monotonic_ns()}"
     conn.send((rid, ids, layerwise))
-    assert conn.recv() == "open"
-    ref = KVRef(rid, address, layerwise)
+    _, secret = conn.recv()
+    ref = KVRef(rid, address, layerwise, secret)
     box: dict[str, Any] = {}
 
     def receive() -> None:
@@ -227,11 +227,11 @@ def churn(
         layerwise = rng.random() < 0.5
         rid = f"c{n}"
         conn.send((rid, ids, layerwise))
-        assert conn.recv() == "open"
+        _, secret = conn.recv()
         fate = rng.choice(list(fates))
-        ref = KVRef(rid, address, layerwise)
+        ref = KVRef(rid, address, layerwise, secret)
         if fate == "released_early":
-            inbox.client.release(address, rid, 5.0)
+            inbox.client.release(address, rid, 5.0, secret=secret)
         conn.recv()
         if fate == "received":
             inbox.receive(ref)

@@ -58,13 +58,13 @@ class Source:
         self.handles = handles
         self.streams: dict[str, Any] = {}
 
-    def get(self, request_id: str) -> KVHandle | None:
+    def get(self, request_id: str, secret: str = "") -> KVHandle | None:
         return self.handles.get(request_id.split("#")[0])
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, secret: str = "") -> None:
         self.streams.pop(request_id, None)
 
-    def attach(self, request_id: str, want: LayoutFingerprint) -> Any:
+    def attach(self, request_id: str, want: LayoutFingerprint, secret: str = "") -> Any:
         stream = self.streams.get(request_id)
         if stream is None:
             raise UnknownRequestError(f"no KV stream open for request {request_id!r}")
@@ -259,8 +259,8 @@ def measure(
 def prefill_sender(transport: str) -> None:
     """The sender process of the TTFT measurement: a real prefill engine (the default model,
     default chunking) behind the transport. Commands on stdin, one per line:
-    ``<request id> <tokens> whole|stream``; it answers ``open`` once the request (and its
-    stream) exists, then ``done <time.time()>`` when the first token is sampled."""
+    ``<request id> <tokens> whole|stream``; it answers ``open <secret>`` once the request (and
+    its stream) exists, then ``done <time.time()>`` when the first token is sampled."""
     from kvtransfer.outbox import Outbox
     from services.engine.config import EngineConfig
     from services.engine.engine import Engine
@@ -281,7 +281,7 @@ def prefill_sender(transport: str) -> None:
             engine.add_request(
                 rid, ids, SamplingParams(max_tokens=2, ignore_eos=True), kv_sink=sink
             )
-        print("open", flush=True)
+        print(f"open {sink.secret}", flush=True)  # NOTE: the KVRef's secret, as a ref carries it
         done = False
         while not done:
             with lock:  # NOTE: one step at a time, as the replica's loop thread does
@@ -318,24 +318,24 @@ def ttft_share(transport: str, sizes: tuple[int, ...] = (512, 2048, 8190)) -> li
                 t0 = time.time()
                 inp.write(f"{rid} {n} {mode}\n")
                 inp.flush()
-                line = out.readline().strip()
-                assert line == "open", line
+                opened, secret = out.readline().split()
+                assert opened == "open", opened
                 box: dict = {}
                 if mode == "stream":
 
-                    def receive(box: dict = box, rid: str = rid) -> None:
-                        box["h"] = client.pull_stream(address, rid, LAYOUT, 600.0)
+                    def receive(box: dict = box, rid: str = rid, secret: str = secret) -> None:
+                        box["h"] = client.pull_stream(address, rid, LAYOUT, 600.0, secret=secret)
                         box["at"] = time.time()
 
                     th = threading.Thread(target=receive)
                     th.start()
                 done_at = float(out.readline().split()[1])
                 if mode == "whole":
-                    client.pull(address, rid, LAYOUT, 120.0)
+                    client.pull(address, rid, LAYOUT, 120.0, secret=secret)
                     box["at"] = time.time()
                 else:
                     th.join()
-                client.release(address, rid, 10.0)
+                client.release(address, rid, 10.0, secret=secret)
                 row["prefill_s"] = done_at - t0
                 row[f"{mode}_exposed_s"] = max(0.0, box["at"] - done_at)
                 row[f"{mode}_share"] = row[f"{mode}_exposed_s"] / (done_at - t0)

@@ -8,7 +8,7 @@ registry) imports the transports lazily, by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from services.engine.errors import LayoutMismatchError
@@ -32,6 +32,11 @@ class StreamBusyError(Exception):
     """The stream already has a receiver."""
 
 
+class PermissionDeniedError(Exception):
+    """A KV call for a known request without its transfer's secret, or with a wrong one
+    (transports answer PERMISSION_DENIED; the sender counts it)."""
+
+
 class TransportUnavailableError(RuntimeError):
     """The transport was asked for but cannot work here (e.g. NCCL without GPUs)."""
 
@@ -47,22 +52,25 @@ class KVSource(Protocol):
     """What a transport server serves from: a prefill replica's ``kvtransfer.outbox.Outbox``
     (tests and the self-test use small dict-backed ones). Called from server threads."""
 
-    def get(self, request_id: str) -> KVHandle | None:
-        """The request's whole KV (a handle with block data) while it is held, else None."""
+    def get(self, request_id: str, secret: str) -> KVHandle | None:
+        """The request's whole KV (a handle with block data) while it is held, else None.
+        Raises PermissionDeniedError: ``secret`` is not the transfer's."""
         ...
 
-    def attach(self, request_id: str, want: LayoutFingerprint) -> KVStream:
+    def attach(self, request_id: str, want: LayoutFingerprint, secret: str) -> KVStream:
         """Become the one receiver of the request's layer-wise stream.
 
         Raises:
             UnknownRequestError: no stream is open for the request here.
+            PermissionDeniedError: ``secret`` is not the transfer's.
             LayoutMismatchError: ``want`` differs from the sender's layout.
             StreamBusyError: the stream already has a receiver.
         """
         ...
 
-    def release(self, request_id: str) -> None:
-        """The receiver is done with the request's KV (placed it, or gave up); idempotent."""
+    def release(self, request_id: str, secret: str) -> None:
+        """The receiver is done with the request's KV (placed it, or gave up); idempotent.
+        Raises PermissionDeniedError: ``secret`` is not the transfer's."""
         ...
 
 
@@ -76,12 +84,18 @@ class KVServer(Protocol):
 # ---- the receiver's side --------------------------------------------------------------------
 class KVClient(Protocol):
     def pull(
-        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+        self,
+        address: str,
+        request_id: str,
+        layout: LayoutFingerprint,
+        timeout_s: float,
+        secret: str = "",
     ) -> KVHandle:
-        """Fetch and verify a request's blocks.
+        """Fetch and verify a request's blocks; ``secret``: the transfer's (from its KVRef).
 
         Raises:
             UnknownRequestError: the sender does not hold the request.
+            PermissionDeniedError: the sender refused ``secret``.
             LayoutMismatchError: the sender's layout differs from ``layout``.
             TransferError: corrupt, incomplete or failed transfer.
             TimeoutError: the deadline passed.
@@ -95,6 +109,7 @@ class KVClient(Protocol):
         layout: LayoutFingerprint,
         timeout_s: float,
         stall_s: float | None = None,
+        secret: str = "",
     ) -> tuple[KVHandle, float]:
         """Receive a request's KV layer by layer while the sender prefills it (the sender
         opened the stream first); returns the handle and when the sender finished computing
@@ -103,7 +118,9 @@ class KVClient(Protocol):
         for ``stall_s`` (None: only ``timeout_s``)."""
         ...
 
-    def release(self, address: str, request_id: str, timeout_s: float) -> None: ...
+    def release(
+        self, address: str, request_id: str, timeout_s: float, secret: str = ""
+    ) -> None: ...
 
     def close(self) -> None: ...
 
@@ -127,11 +144,14 @@ class KVRef:
     request_id: str
     address: str
     layerwise: bool
+    # NOTE: a capability: whoever holds it may read or free this request's KV; minted per
+    # transfer by the prefill side, never logged
+    secret: str = field(default="", repr=False)
 
 
 class KVTransferFailedError(RuntimeError):
-    """Receiving a request's KV failed (``reason``: deadline, not_held, layout, transfer); the
-    gateway re-prefills once, then answers 503."""
+    """Receiving a request's KV failed (``reason``: deadline, not_held, layout, denied,
+    transfer); the gateway re-prefills once, then answers 503."""
 
     def __init__(self, message: str, reason: str = "transfer") -> None:
         super().__init__(message)

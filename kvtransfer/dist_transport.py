@@ -1,7 +1,10 @@
 """torch.distributed KV transport: NCCL between GPUs, gloo as its CPU stand-in (same code).
 
-Rendezvous: every prefill replica hosts a ``TCPStore`` at its KV address. A decode replica that
-first pulls from an address opens a *pair* there: it takes the next pair number from the store
+Rendezvous: every prefill replica hosts a ``TCPStore`` at its KV address, which ends in a random
+namespace (``host:port/<128-bit hex>``) that prefixes every key: a TCPStore has no access control
+and no way to list keys, so who reaches the port without the address (it travels only in
+``KVRef``s) cannot find a pair's keys, and every request carries its transfer's secret besides
+(checked by the Outbox). A decode replica that first pulls from an address opens a *pair* there: it takes the next pair number from the store
 (``add``), announces it, and both sides build a two-rank process group (prefill rank 0, decode
 rank 1) over that pair's ``PrefixStore``. Pairs are made lazily, reused for later transfers,
 closed when idle for ``idle_s``, at most ``pairs_per_peer`` to one prefill replica (a pair
@@ -9,8 +12,8 @@ carries one transfer at a time) and ``max_pairs`` in all per decode replica (the
 recently used idle pair goes first).
 
 One transfer on a pair (sequential on it, so messages match in order):
-1. decode: ``pair/k/q/n`` = {"op": "pull", request id, layout} in the store;
-2. prefill: looks the request up; ``pair/k/r/n`` = an error, or the header (sizes, layout,
+1. decode: ``<ns>/pair/k/q/n`` = {"op": "pull", request id, layout, secret} in the store;
+2. prefill: looks the request up; ``<ns>/pair/k/r/n`` = an error, or the header (sizes, layout,
    each chunk's checksum); then sends the payload chunk by chunk over the process group;
 3. decode: receives each chunk into its buffer, checks its checksum, rebuilds the handle;
    then ``{"op": "release"}`` frees the blocks on the prefill side (its hold lease frees them
@@ -33,6 +36,7 @@ import contextlib
 import datetime
 import json
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -46,6 +50,7 @@ import torch.distributed as dist
 from kvtransfer import wire
 from kvtransfer.base import (
     KVSource,
+    PermissionDeniedError,
     StreamBusyError,
     StreamFailedError,
     TransferError,
@@ -152,7 +157,9 @@ class DistKVServer:
             host, port, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout_s),
         )  # fmt: skip
-        self._address = f"{host}:{self.store.port}"
+        self._ns = secrets.token_hex(16)  # NOTE: the keys' namespace; see the module's note
+        self._hostport = f"{host}:{self.store.port}"
+        self._address = f"{self._hostport}/{self._ns}"
         self._stopped = threading.Event()
         self.pairs_open = 0
         self._threads: list[threading.Thread] = []
@@ -196,7 +203,7 @@ class DistKVServer:
     def _connect(self) -> Any:
         # NOTE: one store connection per thread: a TCPStore object serialises its calls, so
         # a thread parked in wait() would hold up every other thread's set/get behind it
-        host, port = self._address.rsplit(":", 1)
+        host, port = self._hostport.rsplit(":", 1)
         return dist.TCPStore(
             host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s)
         )
@@ -206,7 +213,7 @@ class DistKVServer:
         k = 0
         while not self._stopped.is_set():
             try:
-                self._wait_for(store, f"open/{k}", b"stop", 24 * 3600.0)
+                self._wait_for(store, f"{self._ns}/open/{k}", b"stop", 24 * 3600.0)
             except (TimeoutError, TransferError):
                 continue
             if self._stopped.is_set():
@@ -215,7 +222,7 @@ class DistKVServer:
             k += 1
 
     def _serve_pair(self, k: int) -> None:
-        prefix = f"pair/{k}/"
+        prefix = f"{self._ns}/pair/{k}/"
         store = self._connect()
         try:
             pg = _group(self.backend, dist.PrefixStore(prefix, store), 0, self.timeout_s)
@@ -235,8 +242,11 @@ class DistKVServer:
                 if msg["op"] == "close":
                     return
                 if msg["op"] == "release":
-                    self.source.release(msg["request_id"])
-                    store.set(f"{prefix}r/{n}", b'{"ok": true}')
+                    try:
+                        self.source.release(msg["request_id"], msg.get("secret", ""))
+                        store.set(f"{prefix}r/{n}", b'{"ok": true}')
+                    except PermissionDeniedError as e:
+                        self._answer(store, prefix, n, {"error": "denied", "detail": str(e)})
                 elif msg["op"] == "pull":
                     self._pull(pg, store, prefix, n, msg)
                 elif msg["op"] == "stream":
@@ -249,7 +259,11 @@ class DistKVServer:
                 self.pairs_open -= 1
 
     def _pull(self, pg: Any, store: Any, prefix: str, n: int, msg: dict[str, Any]) -> None:
-        handle = self.source.get(msg["request_id"])
+        try:
+            handle = self.source.get(msg["request_id"], msg.get("secret", ""))
+        except PermissionDeniedError as e:
+            self._answer(store, prefix, n, {"error": "denied", "detail": str(e)})
+            return
         if handle is None:
             self._answer(store, prefix, n, {"error": "not_found", "detail": msg["request_id"]})
             return
@@ -277,9 +291,12 @@ class DistKVServer:
         rid = msg["request_id"]
         want = wire.layout_from_proto(pb.KVLayout.FromString(base64.b64decode(msg["layout"])))
         try:
-            stream = self.source.attach(rid, want)
+            stream = self.source.attach(rid, want, msg.get("secret", ""))
         except UnknownRequestError:
             self._answer(store, prefix, n, {"error": "not_found", "detail": rid})
+            return
+        except PermissionDeniedError as e:
+            self._answer(store, prefix, n, {"error": "denied", "detail": str(e)})
             return
         except LayoutMismatchError as e:
             self._answer(store, prefix, n, {"error": "layout", "detail": str(e)})
@@ -342,14 +359,15 @@ class DistKVServer:
 
 class _Pair:
     def __init__(self, address: str, backend: str, timeout_s: float) -> None:
-        host, port = address.rsplit(":", 1)
+        hostport, _, ns = address.partition("/")
+        host, port = hostport.rsplit(":", 1)
         self.address = address
         self.store = dist.TCPStore(
             host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
         )
-        self.k = self.store.add("pairs", 1) - 1
-        self.prefix = f"pair/{self.k}/"
-        self.store.set(f"open/{self.k}", b"1")
+        self.k = self.store.add(f"{ns}/pairs", 1) - 1
+        self.prefix = f"{ns}/pair/{self.k}/"
+        self.store.set(f"{ns}/open/{self.k}", b"1")
         self.pg = _group(backend, dist.PrefixStore(self.prefix, self.store), 1, timeout_s)
         self.n = 0
         self.last_used = time.monotonic()
@@ -467,7 +485,13 @@ class DistKVClient:
         with self._use(address, end) as pair:
             try:
                 return run(pair)
-            except (UnknownRequestError, LayoutMismatchError, StreamFailedError, StreamBusyError):
+            except (
+                UnknownRequestError,
+                LayoutMismatchError,
+                StreamFailedError,
+                StreamBusyError,
+                PermissionDeniedError,
+            ):
                 raise  # answered cleanly: the pair stays usable
             except TimeoutError as e:
                 self._drop(pair)  # NOTE: the sender may still write into it
@@ -484,10 +508,17 @@ class DistKVClient:
                 raise TransferError(f"KV transfer from {address} failed: {e}") from None
 
     def pull(
-        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+        self,
+        address: str,
+        request_id: str,
+        layout: LayoutFingerprint,
+        timeout_s: float,
+        secret: str = "",
     ) -> KVHandle:
         end = time.monotonic() + timeout_s
-        return self._transfer(address, end, lambda p: self._receive(p, request_id, layout, end))
+        return self._transfer(
+            address, end, lambda p: self._receive(p, request_id, layout, end, secret)
+        )
 
     def pull_stream(
         self,
@@ -496,6 +527,7 @@ class DistKVClient:
         layout: LayoutFingerprint,
         timeout_s: float,
         stall_s: float | None = None,
+        secret: str = "",
     ) -> tuple[KVHandle, float]:
         """Receive a request's KV layer by layer while the sender prefills it; returns the
         handle and the sender's ``finished_unix``. Raises as ``pull`` does; a second
@@ -504,17 +536,26 @@ class DistKVClient:
         end = time.monotonic() + timeout_s
         try:
             return self._transfer(
-                address, end, lambda p: self._receive_stream(p, request_id, layout, end, stall_s)
+                address,
+                end,
+                lambda p: self._receive_stream(p, request_id, layout, end, stall_s, secret),
             )
         except StreamBusyError as e:
             raise TransferError(str(e)) from None
 
     def _ask(
-        self, pair: _Pair, op: str, request_id: str, layout: LayoutFingerprint, end: float
+        self,
+        pair: _Pair,
+        op: str,
+        request_id: str,
+        layout: LayoutFingerprint,
+        end: float,
+        secret: str,
     ) -> tuple[int, dict[str, Any]]:
         body = {
             "op": op,
             "request_id": request_id,
+            "secret": secret,
             "layout": base64.b64encode(wire.layout_to_proto(layout).SerializeToString()).decode(),
             "timeout_s": max(0.0, end - time.monotonic()),
         }
@@ -525,14 +566,16 @@ class DistKVClient:
             raise UnknownRequestError(f"no {what} for request {request_id!r}")
         if error == "layout":
             raise LayoutMismatchError(answer["detail"])
+        if error == "denied":
+            raise PermissionDeniedError(answer["detail"])
         if error == "busy":
             raise StreamBusyError(answer["detail"])
         return n, answer
 
     def _receive(
-        self, pair: _Pair, request_id: str, layout: LayoutFingerprint, end: float
+        self, pair: _Pair, request_id: str, layout: LayoutFingerprint, end: float, secret: str
     ) -> KVHandle:
-        n, answer = self._ask(pair, "pull", request_id, layout, end)
+        n, answer = self._ask(pair, "pull", request_id, layout, end, secret)
         header = pb.KVHeader.FromString(base64.b64decode(answer["header"]))
         wire.check_header(header, layout)
         buf = empty_bytes(header.total_bytes, _device(self.backend))
@@ -548,8 +591,9 @@ class DistKVClient:
         layout: LayoutFingerprint,
         end: float,
         stall_s: float | None,
+        secret: str,
     ) -> tuple[KVHandle, float]:
-        n, answer = self._ask(pair, "stream", request_id, layout, end)
+        n, answer = self._ask(pair, "stream", request_id, layout, end, secret)
         first = pb.StreamKVResponse.FromString(base64.b64decode(answer["header"]))
         device = _device(self.backend)
         asm = wire.StreamAssembler(first.header, layout, device)
@@ -589,11 +633,14 @@ class DistKVClient:
                 raise TransferError("the stream did not end with its trailer")
             return asm.finish(msg.trailer)
 
-    def release(self, address: str, request_id: str, timeout_s: float) -> None:
+    def release(self, address: str, request_id: str, timeout_s: float, secret: str = "") -> None:
         end = time.monotonic() + timeout_s
 
         def run(pair: _Pair) -> None:
-            pair.ask({"op": "release", "request_id": request_id}, max(0.0, end - time.monotonic()))
+            body = {"op": "release", "request_id": request_id, "secret": secret}
+            _, answer = pair.ask(body, max(0.0, end - time.monotonic()))
+            if answer.get("error") == "denied":
+                raise PermissionDeniedError(answer["detail"])
 
         self._transfer(address, end, run)
 

@@ -28,6 +28,7 @@ import grpc.experimental
 from kvtransfer import shm, wire
 from kvtransfer.base import (
     KVSource,
+    PermissionDeniedError,
     StreamBusyError,
     StreamFailedError,
     TransferError,
@@ -72,7 +73,10 @@ class _Servicer:
     def PullKV(
         self, request: pb.PullKVRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.PullKVResponse]:
-        handle = self.source.get(request.request_id)
+        try:
+            handle = self.source.get(request.request_id, request.secret)
+        except PermissionDeniedError as e:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         if handle is None:
             context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no KV held for request {request.request_id!r}"
@@ -103,9 +107,11 @@ class _Servicer:
     ) -> Iterator[bytes]:
         want = wire.layout_from_proto(request.layout)
         try:
-            stream = self.source.attach(request.request_id, want)
+            stream = self.source.attach(request.request_id, want, request.secret)
         except UnknownRequestError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except PermissionDeniedError as e:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except LayoutMismatchError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except StreamBusyError as e:
@@ -137,7 +143,10 @@ class _Servicer:
     def ReleaseKV(
         self, request: pb.ReleaseKVRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseKVResponse:
-        self.source.release(request.request_id)
+        try:
+            self.source.release(request.request_id, request.secret)
+        except PermissionDeniedError as e:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         if self.segments is not None:
             self.segments.release(request.request_id)
         return pb.ReleaseKVResponse()
@@ -250,10 +259,18 @@ class GrpcKVClient:
             return calls
 
     def pull(
-        self, address: str, request_id: str, layout: LayoutFingerprint, timeout_s: float
+        self,
+        address: str,
+        request_id: str,
+        layout: LayoutFingerprint,
+        timeout_s: float,
+        secret: str = "",
     ) -> KVHandle:
         req = pb.PullKVRequest(
-            request_id=request_id, layout=wire.layout_to_proto(layout), host_id=self.host_id
+            request_id=request_id,
+            layout=wire.layout_to_proto(layout),
+            host_id=self.host_id,
+            secret=secret,
         )
         try:
             call = self._to(address).pull(req, timeout=timeout_s)
@@ -268,10 +285,13 @@ class GrpcKVClient:
         layout: LayoutFingerprint,
         timeout_s: float,
         stall_s: float | None = None,
+        secret: str = "",
     ) -> tuple[KVHandle, float]:
         """Receive a request's KV layer by layer while it is prefilled; returns the handle
         and the sender's ``finished_unix``. Raises as ``pull`` does."""
-        req = pb.StreamKVRequest(request_id=request_id, layout=wire.layout_to_proto(layout))
+        req = pb.StreamKVRequest(
+            request_id=request_id, layout=wire.layout_to_proto(layout), secret=secret
+        )
         call = self._to(address).stream(req, timeout=timeout_s)
         watch = StallWatch(stall_s, call.cancel)
         try:
@@ -282,9 +302,11 @@ class GrpcKVClient:
                 raise watch.error(address) from None
             raise _map_error(e, address) from None
 
-    def release(self, address: str, request_id: str, timeout_s: float) -> None:
+    def release(self, address: str, request_id: str, timeout_s: float, secret: str = "") -> None:
         try:
-            self._to(address).release(pb.ReleaseKVRequest(request_id=request_id), timeout=timeout_s)
+            self._to(address).release(
+                pb.ReleaseKVRequest(request_id=request_id, secret=secret), timeout=timeout_s
+            )
         except grpc.RpcError as e:
             raise _map_error(e, address) from None
 
@@ -337,6 +359,8 @@ def _map_error(e: grpc.RpcError, address: str) -> Exception:
     code, details = e.code(), e.details()  # type: ignore[attr-defined]
     if code == grpc.StatusCode.NOT_FOUND:
         return UnknownRequestError(details)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDeniedError(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return LayoutMismatchError(details)
     if code == grpc.StatusCode.ABORTED:

@@ -24,7 +24,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtransfer.base import KVClient, KVRef, KVTransferFailedError, TransferError
+from kvtransfer.base import (
+    KVClient,
+    KVRef,
+    KVTransferFailedError,
+    PermissionDeniedError,
+    TransferError,
+)
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 
@@ -44,6 +50,8 @@ def failure_reason(e: Exception) -> str:
         return "not_held"  # expired on the prefill side, or never held there
     if isinstance(e, LayoutMismatchError):
         return "layout"
+    if isinstance(e, PermissionDeniedError):
+        return "denied"  # the sender refused the ref's secret
     return "transfer"  # corrupt, incomplete, a dead peer, a failed prefill
 
 
@@ -106,7 +114,13 @@ class Inbox:
             got = self._take(ref)
             self._set(ref, Receive.RECEIVED)
             return got
-        except (TransferError, TimeoutError, UnknownRequestError, LayoutMismatchError) as e:
+        except (
+            TransferError,
+            TimeoutError,
+            UnknownRequestError,
+            LayoutMismatchError,
+            PermissionDeniedError,
+        ) as e:
             self._set(ref, Receive.FAILED)
             reason = failure_reason(e)
             with self._lock:
@@ -137,17 +151,26 @@ class Inbox:
         start = self._clock()
         if ref.layerwise:
             handle, finished_unix = self.client.pull_stream(
-                ref.address, ref.request_id, self.layout, c.stream_timeout_s, c.stall_s
+                ref.address,
+                ref.request_id,
+                self.layout,
+                c.stream_timeout_s,
+                c.stall_s,
+                secret=ref.secret,
             )
             # NOTE: wall clocks of two hosts; clamped, since only the excess is exposed
             exposed = max(0.0, self._wall() - finished_unix)
         else:
-            handle = self.client.pull(ref.address, ref.request_id, self.layout, c.pull_timeout_s)
+            handle = self.client.pull(
+                ref.address, ref.request_id, self.layout, c.pull_timeout_s, secret=ref.secret
+            )
             exposed = self._clock() - start
         return Received(handle, exposed, handle.nbytes)
 
     def _release(self, ref: KVRef) -> None:
         try:
-            self.client.release(ref.address, ref.request_id, self.config.release_timeout_s)
+            self.client.release(
+                ref.address, ref.request_id, self.config.release_timeout_s, secret=ref.secret
+            )
         except Exception as e:  # the sender's lease frees the blocks anyway
             log.warning("KV release for %s at %s failed: %s", ref.request_id, ref.address, e)

@@ -16,6 +16,11 @@ States of one entry (``Handoff``), and who moves it::
     HELD ──lease passes (expire)──> EXPIRED               likewise
     HELD ──attach (a late receiver)──> HELD               its stream starts from the held KV
 
+Every entry carries a random secret (``Entry.secret``, in the handoff's ``KVRef``): ``get``,
+``attach`` and ``release`` of a known request without it, or with another, raise
+PermissionDeniedError (compared in constant time, counted in ``stats()["denied"]``) and change
+nothing. Knowing a request id is not enough to read a prompt's KV or to free it.
+
 Terminal states (RELEASED, EXPIRED, FAILED) leave the table: a later ``get`` or ``attach`` gets
 UnknownRequestError (the transports answer NOT_FOUND), a later ``release`` is a no-op.
 
@@ -32,6 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hmac
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.base import StreamBusyError, check_layout
+from kvtransfer.base import PermissionDeniedError, StreamBusyError, check_layout
 from kvtransfer.stream import KVStream, StreamBuffer
 from services.engine.errors import UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
@@ -84,6 +91,7 @@ class Entry:
     def __init__(self, outbox: Outbox, request_id: str, stream: KVStream | None) -> None:
         self._outbox = outbox
         self.request_id = request_id
+        self.secret = secrets.token_urlsafe(24)  # the transfer's capability (192 bits)
         self.state = Handoff.OPEN
         self.stream = stream  # None: whole pulls only (no layer copies are taken)
         self.pinned: PinnedKV | None = None  # set while HELD
@@ -136,6 +144,7 @@ class Outbox:
         # every handoff's end, by terminal state; receivers that attached early / late
         self.ended = {s.value: 0 for s in TERMINAL}
         self.attached = {"early": 0, "late": 0}
+        self.denied = 0  # KV calls refused for a missing or wrong secret
 
     # ---- the replica's side ---------------------------------------------------------------
     def open(self, request_id: str, num_tokens: int, stream: bool) -> Entry:
@@ -148,7 +157,7 @@ class Outbox:
                 self.fingerprint,
                 num_tokens,
                 buffer=self.buffer,
-                refill=lambda: self._read(request_id),
+                refill=lambda: self._read(request_id, None),
                 progressing=self._progressing,
             )
         entry = Entry(self, request_id, s)
@@ -187,20 +196,21 @@ class Outbox:
         with self._lock:
             ids = list(self._entries)
         for rid in ids:
-            self.release(rid)
+            self._release(rid, None)
 
     # ---- the transports' side (KVSource) --------------------------------------------------
-    def get(self, request_id: str) -> KVHandle | None:
+    def get(self, request_id: str, secret: str) -> KVHandle | None:
         try:
-            return self._read(request_id)
+            return self._read(request_id, secret)
         except UnknownRequestError:
             return None
 
-    def attach(self, request_id: str, want: LayoutFingerprint) -> KVStream:
+    def attach(self, request_id: str, want: LayoutFingerprint, secret: str) -> KVStream:
         with self._lock:
             e = self._entries.get(request_id)
             if e is None or e.stream is None:
                 raise UnknownRequestError(f"no KV stream open for request {request_id!r}")
+            self._authorize(e, secret)
             check_layout(self.fingerprint, want)
             if e.attached_early is not None:
                 raise StreamBusyError(f"the KV stream of {request_id!r} has a receiver")
@@ -212,11 +222,17 @@ class Outbox:
             e.stream.attach()
             return e.stream
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, secret: str) -> None:
+        self._release(request_id, secret)
+
+    def _release(self, request_id: str, secret: str | None) -> None:
+        """``secret`` None: the replica's own call (closing), not a receiver's."""
         with self._lock:
             e = self._entries.get(request_id)
             if e is None:
                 return  # released, expired or failed already: idempotent
+            if secret is not None:
+                self._authorize(e, secret)
             self._end(e, Handoff.RELEASED)
         self._free(e, "the receiver released it")
 
@@ -235,11 +251,18 @@ class Outbox:
             for e in self._entries.values():
                 live[e.state.value] += 1
             out = {**live, **{f"ended_{k}": v for k, v in self.ended.items()}, **self.attached}
+            out["denied"] = self.denied
         if self.buffer is not None:
             out |= {"spilled": self.buffer.spilled, "queued_bytes": self.buffer.used}
         return out
 
     # ---- transitions (under _lock) ----------------------------------------------------------
+    def _authorize(self, e: Entry, secret: str) -> None:
+        # NOTE: constant time in the secret's content; a refusal changes no state
+        if not hmac.compare_digest(e.secret.encode(), (secret or "").encode()):
+            self.denied += 1
+            raise PermissionDeniedError(f"wrong or missing KV secret for {e.request_id!r}")
+
     def _move(self, e: Entry, to: Handoff) -> None:
         if to not in _NEXT.get(e.state, frozenset()):
             raise IllegalTransitionError(f"{e.request_id!r}: {e.state.value} -> {to.value}")
@@ -273,9 +296,13 @@ class Outbox:
             e.stream.fail(reason)
 
     # ---- the engine's blocks (under the engine lock, never under _lock) ----------------------
-    def _read(self, request_id: str) -> KVHandle:
+    def _read(self, request_id: str, secret: str | None) -> KVHandle:
+        """``secret`` None: the entry's own stream refilling itself (its receiver was
+        authorized when it attached)."""
         with self._lock:
             e = self._entries.get(request_id)
+            if e is not None and secret is not None:
+                self._authorize(e, secret)
             if e is None or e.state is not Handoff.HELD:
                 raise UnknownRequestError(f"no held KV for request {request_id!r}")
             pinned, handle = e.pinned, e.handle

@@ -36,13 +36,14 @@ class _Held:
         self.handle = handle
         self.released: set[str] = set()
 
-    def get(self, request_id: str) -> KVHandle | None:
+    # NOTE: the self-test's own loopback server, stopped before the replica serves: no secret
+    def get(self, request_id: str, secret: str) -> KVHandle | None:
         return None if request_id in self.released else self.handle
 
-    def attach(self, request_id: str, want: LayoutFingerprint) -> NoReturn:
+    def attach(self, request_id: str, want: LayoutFingerprint, secret: str) -> NoReturn:
         raise UnknownRequestError("the self-test pulls whole")
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, secret: str) -> None:
         self.released.add(request_id)
 
 

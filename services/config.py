@@ -203,6 +203,14 @@ class ServeConfig(BaseModel):
         "has it moments after the first token (every transport); false: the decode replica "
         "pulls the whole KV after the prefill",
     )
+    kv_host: str = Field(
+        "auto",
+        min_length=1,
+        description="address each prefill replica's KV server binds to and names in its KV "
+        "refs: auto = the node's IP as Ray knows it (the pod IP in Kubernetes), and loopback "
+        "under a one-host `pdserve serve` that starts its own Ray; or an explicit address. "
+        "Every KV call must also carry its transfer's secret",
+    )
     kv_port: int = Field(
         0,
         ge=0,

@@ -36,6 +36,16 @@ def with_local_core_split(cfg: ServeConfig) -> ServeConfig:
     )
 
 
+def for_one_host(cfg: ServeConfig) -> ServeConfig:
+    """What a one-host cluster (no ``ray_address``: the launcher starts Ray) changes: the core
+    split, and KV servers on loopback unless an address was given (the KV plane needs no
+    network there, so it is not exposed to one)."""
+    cfg = with_local_core_split(cfg)
+    if cfg.kv_host == "auto":
+        cfg = cfg.model_copy(update={"kv_host": "127.0.0.1"})
+    return cfg
+
+
 def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     import ray
     from ray import serve
@@ -44,7 +54,7 @@ def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int
 
     started_ray = False
     if not cfg.ray_address:
-        cfg = with_local_core_split(cfg)
+        cfg = for_one_host(cfg)
     if cfg.ray_address:
         ray.init(address=cfg.ray_address)
     else:

@@ -53,6 +53,10 @@ class _RaySeries:
             "failed KV pulls (decode), by reason: deadline, transfer, not_held, layout",
             tag_keys=("reason",),
         )
+        self.kv_denied = m.Counter(
+            "pdserve_replica_kv_denied",
+            "KV transfer calls refused for a missing or wrong transfer secret (prefill)",
+        )
         self.lease_expiries = m.Counter(
             "pdserve_replica_kv_lease_expiries",
             "held KV freed by its lease because no decode replica claimed it (prefill)",
@@ -92,6 +96,11 @@ class ReplicaMetrics:
             self._ray = _RaySeries()
         except Exception:  # not in a Serve replica
             self._ray = None
+
+    def observe_kv_denied(self, n: int) -> None:
+        """``n`` more KV calls refused for their secret (prefill)."""
+        if self._ray is not None and n:
+            self._ray.kv_denied.inc(n)
 
     def observe_lease_expiries(self, n: int) -> None:
         """``n`` handoffs' KV freed by the lease, never claimed (prefill)."""

@@ -362,13 +362,12 @@ def prefill_for_handoff(engine: Engine, rid: str, prompt: list[int], params: Any
     from kvtransfer.outbox import Outbox
 
     box = Outbox(engine.fingerprint, contextlib.nullcontext)
-    engine.add_request(
-        rid, prompt, params, prefill_only=True, kv_sink=box.open(rid, len(prompt), False)
-    )
+    entry = box.open(rid, len(prompt), False)
+    engine.add_request(rid, prompt, params, prefill_only=True, kv_sink=entry)
     outs = []
     while engine.has_unfinished:
         outs += [o for o in engine.step() if o.request_id == rid]
-    handle = box.get(rid)
+    handle = box.get(rid, entry.secret)
     assert engine.stats().num_held == (handle is not None)
-    box.release(rid)
+    box.release(rid, entry.secret)
     return outs, handle

@@ -103,3 +103,14 @@ def test_sigterm_while_starting_exits_within_10_s(tmp_path):
         assert time.monotonic() - t < 10
     finally:
         _stop(proc, log)
+
+
+def test_a_one_host_serve_binds_kv_servers_to_loopback():
+    from services.config import load_config
+    from services.launcher import for_one_host
+
+    cfg = load_config(overrides={}, environ={})
+    assert cfg.kv_host == "auto"  # the node's IP on a real cluster (the pod IP in Kubernetes)
+    assert for_one_host(cfg).kv_host == "127.0.0.1"
+    given = load_config(overrides={"kv_host": "10.1.2.3"}, environ={})
+    assert for_one_host(given).kv_host == "10.1.2.3"

@@ -421,7 +421,10 @@ class Gateway:
                 return
             except KVTransferFailedError as e:
                 if attempt == 1:
-                    raise ServiceUnavailableError(f"KV transfer failed twice: {e}") from None
+                    # NOTE: the cause's message, not Ray's wrapper (a replica's traceback,
+                    # paths and addresses are not the client's to read)
+                    cause = getattr(e, "cause", None) or e
+                    raise ServiceUnavailableError(f"KV transfer failed twice: {cause}") from None
                 self.metrics.reprefills.inc()
                 # NOTE: a fresh id: the first prefill may still run (or hold) under the old
                 # one; the same seed gives the same first token

@@ -50,14 +50,19 @@ class PrefillServer(EngineReplica):
             # request this replica may run at once, plus a few for pulls and releases (4 fixed
             # threads let 4 long prefills starve every other transfer)
             options["max_workers"] = cfg.prefill.max_num_seqs + 4
-        self.kv_server = transport.serve(self.outbox, node_ip(), cfg.kv_port, **options)
+        host = node_ip() if cfg.kv_host == "auto" else cfg.kv_host
+        self.kv_server = transport.serve(self.outbox, host, cfg.kv_port, **options)
         self._leases_stop = threading.Event()
         threading.Thread(target=self._expire_leases, name="kv-leases", daemon=True).start()
 
     def _expire_leases(self) -> None:
         period = min(1.0, self.cfg.kv_hold_timeout_s / 4)
+        denied = 0
         while not self._leases_stop.wait(period):
             self.metrics.observe_lease_expiries(self.outbox.expire())
+            now = self.outbox.denied  # NOTE: and the refused KV calls, exported as they come
+            self.metrics.observe_kv_denied(now - denied)
+            denied = now
 
     def _progressing(self) -> bool:
         """The engine loop runs and steps (streams send heartbeats only then): half the
@@ -78,7 +83,7 @@ class PrefillServer(EngineReplica):
         process, not here."""
         layerwise = layerwise and self.layerwise
         entry = self.outbox.open(spec.request_id, len(spec.prompt_ids), layerwise)
-        ref = KVRef(spec.request_id, self.kv_server.address, layerwise)
+        ref = KVRef(spec.request_id, self.kv_server.address, layerwise, entry.secret)
         try:
             if layerwise:
                 yield ref

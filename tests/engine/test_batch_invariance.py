@@ -36,13 +36,16 @@ def _prompt_kv(
 ) -> dict[int, torch.Tensor]:
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     box = Outbox(engine.fingerprint, contextlib.nullcontext)
+    entries = {i: box.open(f"r{i}", len(prompts[i]), False) for i in batch}
     for i in batch:
-        entry = box.open(f"r{i}", len(prompts[i]), False)
-        engine.add_request(f"r{i}", prompts[i], sp, kv_sink=entry)
+        engine.add_request(f"r{i}", prompts[i], sp, kv_sink=entries[i])
     while engine.has_unfinished:
         engine.step()
     # the prompt's positions (a block's tail past them is stale memory, never read)
-    out = {i: box.get(f"r{i}").blocks.flatten(2, 3)[:, :, : len(prompts[i])].clone() for i in batch}
+    out = {
+        i: box.get(f"r{i}", e.secret).blocks.flatten(2, 3)[:, :, : len(prompts[i])].clone()
+        for i, e in entries.items()
+    }
     box.close()
     return out
 

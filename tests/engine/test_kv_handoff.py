@@ -100,7 +100,7 @@ def test_an_unclaimed_handoff_expires_by_its_lease(make_engine):
     now[0] = 5.0
     assert box.expire() == 1
     assert pre.blocks.num_used_blocks == 0 and pre.stats().num_held == 0
-    assert box.get("r") is None and box.stats()["ended_expired"] == 1
+    assert box.get("r", entry.secret) is None and box.stats()["ended_expired"] == 1
 
 
 def test_a_prefill_only_request_without_a_sink_frees_its_kv(make_engine):

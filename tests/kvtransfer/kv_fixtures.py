@@ -18,7 +18,8 @@ from services.engine.kv_stream import KVPiece
 
 
 class DictSource:
-    """A ``KVSource`` over a dict; ``delay_s`` slows every lookup (a slow sender)."""
+    """A ``KVSource`` over a dict; ``delay_s`` slows every lookup (a slow sender). It takes
+    any secret: the secret checks are the Outbox's (tests/kvtransfer/test_kv_secret.py)."""
 
     def __init__(self, handles: dict[str, KVHandle], delay_s: float = 0.0) -> None:
         self.handles = handles
@@ -27,18 +28,18 @@ class DictSource:
         self.streams: dict[str, KVStream] = {}  # layer-wise streams (``streaming`` transports)
         self.attached: list[bool] = []  # per receiver: did it attach before the stream finished
 
-    def get(self, request_id: str) -> KVHandle | None:
+    def get(self, request_id: str, secret: str = "") -> KVHandle | None:
         time.sleep(self.delay_s)
         return self.handles.get(request_id)
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, secret: str = "") -> None:
         self.released.append(request_id)
         self.handles.pop(request_id, None)
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             stream.fail("released")
 
-    def attach(self, request_id: str, want: LayoutFingerprint) -> KVStream:
+    def attach(self, request_id: str, want: LayoutFingerprint, secret: str = "") -> KVStream:
         stream = self.streams.get(request_id)
         if stream is None:
             raise UnknownRequestError(f"no KV stream open for request {request_id!r}")

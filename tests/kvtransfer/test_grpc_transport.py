@@ -93,14 +93,15 @@ def test_engine_handoff_over_grpc_gives_solo_tokens(make_engine, client):
     outbox = Outbox(pre.fingerprint, lambda: lock)
     server = get_transport("grpc").serve(outbox)
     try:
+        entry = outbox.open("r", len(prompt), False)
         with lock:
-            pre.add_request("r", prompt, params, kv_sink=outbox.open("r", len(prompt), False))
+            pre.add_request("r", prompt, params, kv_sink=entry)
             while pre.has_unfinished:
                 pre.step()
         assert pre.stats().num_held == 1
-        handle = client.pull(server.address, "r", dec.fingerprint, timeout_s=10)
-        client.release(server.address, "r", 5)
-        client.release(server.address, "r", 5)  # idempotent
+        handle = client.pull(server.address, "r", dec.fingerprint, 10, secret=entry.secret)
+        client.release(server.address, "r", 5, secret=entry.secret)
+        client.release(server.address, "r", 5, secret=entry.secret)  # idempotent
         assert pre.blocks.num_used_blocks == 0
     finally:
         server.stop()
@@ -127,8 +128,10 @@ def test_an_engine_stream_within_its_buffer_bound_gives_solo_tokens(make_engine,
             pre.add_request("r", prompt, params, kv_sink=entry)
             while pre.has_unfinished:
                 pre.step()
-        handle, _ = client.pull_stream(server.address, "r", dec.fingerprint, 10)
-        client.release(server.address, "r", 5)
+        handle, _ = client.pull_stream(
+            server.address, "r", dec.fingerprint, 10, secret=entry.secret
+        )
+        client.release(server.address, "r", 5, secret=entry.secret)
         stats = outbox.stats()
         assert stats["held"] == 0 and stats["late"] == 1 and pre.blocks.num_used_blocks == 0
         if buffer_mb is not None:

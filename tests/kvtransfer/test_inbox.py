@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer.base import KVRef, KVTransferFailedError, StreamFailedError, TransferError
+from kvtransfer.base import (
+    KVRef,
+    KVTransferFailedError,
+    PermissionDeniedError,
+    StreamFailedError,
+    TransferError,
+)
 from kvtransfer.inbox import Inbox, InboxConfig, Receive
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from tests.kvtransfer.kv_fixtures import random_handle
@@ -16,26 +22,30 @@ class Client:
 
     def __init__(self, error: Exception | None = None, release_error: bool = False) -> None:
         self.calls: list[tuple[str, str, str]] = []
+        self.secrets: list[str] = []
         self.error = error
         self.release_error = release_error
         self.handle = random_handle()
 
-    def pull(self, address, request_id, layout, timeout_s):
+    def pull(self, address, request_id, layout, timeout_s, secret=""):
         self.calls.append(("pull", address, request_id))
+        self.secrets.append(secret)
         assert timeout_s == 3.0
         if self.error is not None:
             raise self.error
         return self.handle
 
-    def pull_stream(self, address, request_id, layout, timeout_s, stall_s=None):
+    def pull_stream(self, address, request_id, layout, timeout_s, stall_s=None, secret=""):
         self.calls.append(("stream", address, request_id))
+        self.secrets.append(secret)
         assert (timeout_s, stall_s) == (60.0, 9.0)
         if self.error is not None:
             raise self.error
         return self.handle, 1000.0
 
-    def release(self, address, request_id, timeout_s):
+    def release(self, address, request_id, timeout_s, secret=""):
         self.calls.append(("release", address, request_id))
+        self.secrets.append(secret)
         if self.release_error:
             raise TransferError("the sender went away")
 
@@ -88,6 +98,7 @@ def test_layerwise_ref_streams_and_exposes_only_the_excess():
         (LayoutMismatchError("head_dim"), "layout"),
         (TransferError("crc"), "transfer"),
         (StreamFailedError("aborted"), "transfer"),
+        (PermissionDeniedError("wrong secret"), "denied"),
     ],
 )
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -132,3 +143,10 @@ def test_error_pickles_with_its_reason():
 
     e = pickle.loads(pickle.dumps(KVTransferFailedError("boom", "deadline")))
     assert (str(e), e.reason) == ("boom", "deadline")
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_the_ref_s_secret_goes_with_every_call(layerwise):
+    client = Client()
+    _inbox(client).receive(KVRef("r", "a:1", layerwise, "the-secret"))
+    assert client.secrets == ["the-secret", "the-secret"]  # the transfer, then the release

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from kvtransfer.base import StreamBusyError, StreamFailedError
+from kvtransfer.base import PermissionDeniedError, StreamBusyError, StreamFailedError
 from kvtransfer.outbox import Handoff, IllegalTransitionError, Outbox, OutboxConfig
 from kvtransfer.stream import HEARTBEAT, KVStream
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
@@ -83,16 +83,16 @@ def test_pull_then_release_frees_once(box):
     h = random_handle()
     entry = outbox.open("r", h.num_computed, stream=False)
     assert outbox.state("r") is Handoff.OPEN and not entry.wants_layers
-    assert outbox.get("r") is None  # not prefilled yet: nothing to pull
+    assert outbox.get("r", entry.secret) is None  # not prefilled yet: nothing to pull
     pinned = _prefill(outbox, lock, entry, h)
     assert outbox.state("r") is Handoff.HELD
-    got = outbox.get("r")
+    got = outbox.get("r", entry.secret)
     assert got is not None and torch.equal(got.blocks, h.blocks)
     assert got.token_ids == h.token_ids and got.first_logprob == h.first_logprob
-    outbox.release("r")
-    outbox.release("r")  # idempotent
+    outbox.release("r", entry.secret)
+    outbox.release("r", entry.secret)  # idempotent
     assert pinned.frees == 1
-    assert outbox.state("r") is None and outbox.get("r") is None
+    assert outbox.state("r") is None and outbox.get("r", entry.secret) is None
     assert outbox.stats()["ended_released"] == 1 and outbox.stats()["held"] == 0
 
 
@@ -100,15 +100,15 @@ def test_early_receiver_streams_then_holds(box):
     outbox, lock, _ = box
     h = random_handle()
     entry = outbox.open("r", h.num_computed, stream=True)
-    stream = outbox.attach("r", h.fingerprint)
+    stream = outbox.attach("r", h.fingerprint, entry.secret)
     assert outbox.state("r") is Handoff.STREAMING
     with pytest.raises(StreamBusyError):
-        outbox.attach("r", h.fingerprint)
+        outbox.attach("r", h.fingerprint, entry.secret)
     pinned = _prefill(outbox, lock, entry, h)
     events = _drain(stream)
     assert len(events) == len(list(iter_pieces(h))) + 1 and events[-1].request_id == "r"
     assert outbox.state("r") is Handoff.HELD  # still held until the receiver releases
-    outbox.release("r")
+    outbox.release("r", entry.secret)
     assert pinned.frees == 1
     assert outbox.stats()["early"] == 1
 
@@ -118,7 +118,7 @@ def test_late_receiver_attaches_to_held(box):
     h = random_handle()
     entry = outbox.open("r", h.num_computed, stream=True)
     _prefill(outbox, lock, entry, h)
-    stream = outbox.attach("r", h.fingerprint)
+    stream = outbox.attach("r", h.fingerprint, entry.secret)
     assert outbox.state("r") is Handoff.HELD
     assert _drain(stream)[-1].num_computed == h.num_computed
     assert outbox.stats()["late"] == 1
@@ -129,12 +129,12 @@ def test_attach_errors(box):
     h = random_handle()
     outbox.open("whole", h.num_computed, stream=False)
     with pytest.raises(UnknownRequestError):
-        outbox.attach("whole", h.fingerprint)  # opened for whole pulls only
+        outbox.attach("whole", h.fingerprint, "")  # opened for whole pulls only
     with pytest.raises(UnknownRequestError):
-        outbox.attach("nobody", h.fingerprint)
-    outbox.open("r", h.num_computed, stream=True)
+        outbox.attach("nobody", h.fingerprint, "")
+    entry = outbox.open("r", h.num_computed, stream=True)
     with pytest.raises(LayoutMismatchError, match="head_dim"):
-        outbox.attach("r", dataclasses.replace(h.fingerprint, head_dim=16))
+        outbox.attach("r", dataclasses.replace(h.fingerprint, head_dim=16), entry.secret)
     assert outbox.state("r") is Handoff.OPEN  # a refused receiver changes nothing
     with pytest.raises(ValueError, match="already open"):
         outbox.open("r", h.num_computed, stream=True)
@@ -143,15 +143,16 @@ def test_attach_errors(box):
 def test_lease_expires_held_kv(box):
     outbox, lock, clock = box
     h = random_handle()
-    pinned = _prefill(outbox, lock, outbox.open("r", h.num_computed, stream=False), h)
+    entry = outbox.open("r", h.num_computed, stream=False)
+    pinned = _prefill(outbox, lock, entry, h)
     assert outbox.next_expiry() == pytest.approx(110.0)
     clock.now = 109.9
     assert outbox.expire() == 0 and outbox.state("r") is Handoff.HELD
     clock.now = 110.0
     assert outbox.expire() == 1
-    assert pinned.frees == 1 and outbox.state("r") is None and outbox.get("r") is None
+    assert pinned.frees == 1 and outbox.state("r") is None and outbox.get("r", entry.secret) is None
     assert outbox.stats()["ended_expired"] == 1
-    outbox.release("r")  # a release after the lease is a no-op
+    outbox.release("r", entry.secret)  # a release after the lease is a no-op
     assert pinned.frees == 1
 
 
@@ -159,7 +160,7 @@ def test_expiry_fails_an_unread_stream(box):
     outbox, lock, clock = box
     h = random_handle()
     entry = outbox.open("r", h.num_computed, stream=True)
-    stream = outbox.attach("r", h.fingerprint)
+    stream = outbox.attach("r", h.fingerprint, entry.secret)
     _prefill(outbox, lock, entry, h, stream_pieces=False)
     clock.now += 11
     outbox.expire()
@@ -173,8 +174,8 @@ def test_release_while_prefilling_frees_at_the_prefilled_hook(box):
     outbox, lock, _ = box
     h = random_handle()
     entry = outbox.open("r", h.num_computed, stream=True)
-    stream = outbox.attach("r", h.fingerprint)
-    outbox.release("r")
+    stream = outbox.attach("r", h.fingerprint, entry.secret)
+    outbox.release("r", entry.secret)
     assert outbox.state("r") is None
     pinned = _prefill(outbox, lock, entry, h)
     assert pinned.frees == 1  # freed by the engine, not held
@@ -188,7 +189,7 @@ def test_failure_before_prefilled_reaches_the_receiver(box, how):
     outbox, lock, _ = box
     h = random_handle()
     entry = outbox.open("r", h.num_computed, stream=True)
-    stream = outbox.attach("r", h.fingerprint)
+    stream = outbox.attach("r", h.fingerprint, entry.secret)
     with lock:
         entry.layer_computed(next(iter_pieces(h)))
     if how == "aborted":
@@ -221,7 +222,7 @@ def test_read_after_free_is_unknown_not_stale(box):
     pinned = _prefill(outbox, lock, entry, h)
     with lock:
         pinned.free()
-    assert outbox.get("r") is None
+    assert outbox.get("r", entry.secret) is None
 
 
 def test_illegal_transitions_raise(box):
@@ -257,10 +258,10 @@ def test_random_lifecycles_leave_nothing(box):
         rid = f"r{i}"
         entry = outbox.open(rid, h.num_computed, stream=rng.random() < 0.7)
         if entry.wants_layers and rng.random() < 0.5:
-            outbox.attach(rid, h.fingerprint)
+            outbox.attach(rid, h.fingerprint, entry.secret)
         fate = rng.choice(["release_early", "abort", "cancel", "prefill"])
         if fate == "release_early":
-            outbox.release(rid)
+            outbox.release(rid, entry.secret)
         elif fate == "abort":
             with lock:
                 entry.aborted("aborted")
@@ -271,10 +272,10 @@ def test_random_lifecycles_leave_nothing(box):
         pins.append(_prefill(outbox, lock, entry, h, stream_pieces=False))
         end = rng.choice(["release", "expire", "pull"])
         if end == "pull":
-            assert outbox.get(rid) is not None or fate == "release_early"
-            outbox.release(rid)
+            assert outbox.get(rid, entry.secret) is not None or fate == "release_early"
+            outbox.release(rid, entry.secret)
         elif end == "release":
-            outbox.release(rid)
+            outbox.release(rid, entry.secret)
     clock.now += 11
     outbox.expire()
     assert all(p.frees == 1 for p in pins)
@@ -291,7 +292,7 @@ def test_bounded_streams_give_their_bytes_back():
         h.fingerprint, lambda: lock, OutboxConfig(lease_s=5.0, stream_buffer_bytes=1 << 20)
     )
     entries = [outbox.open(f"r{i}", h.num_computed, stream=True) for i in range(3)]
-    streams = [outbox.attach(f"r{i}", h.fingerprint) for i in range(2)]
+    streams = [outbox.attach(f"r{i}", h.fingerprint, entries[i].secret) for i in range(2)]
     for e in entries:
         with lock:
             for piece in iter_pieces(h):
@@ -299,10 +300,44 @@ def test_bounded_streams_give_their_bytes_back():
     assert outbox.buffer is not None and outbox.buffer.used > 0
     _prefill(outbox, lock, entries[0], h, stream_pieces=False)
     _drain(streams[0])
-    outbox.release("r0")
-    outbox.release("r1")  # mid-prefill: its queued pieces are dropped
+    outbox.release("r0", entries[0].secret)
+    outbox.release("r1", entries[1].secret)  # mid-prefill: its queued pieces are dropped
     with lock:
         entries[2].aborted("aborted")  # never attached
     with contextlib.suppress(StreamFailedError):
         _drain(streams[1])
     assert outbox.buffer.used == 0
+
+
+@pytest.mark.parametrize("call", ["get", "attach", "release"])
+@pytest.mark.parametrize("secret", ["", "wrong", "x" * 32])
+def test_a_known_request_without_its_secret_is_denied_and_nothing_changes(box, call, secret):
+    """A request id is not a capability: a missing or wrong secret is refused (and counted)
+    on every call, before any state changes; each entry's secret is its own."""
+    outbox, lock, _ = box
+    h = random_handle()
+    entry = outbox.open("r", h.num_computed, stream=True)
+    other = outbox.open("other", h.num_computed, stream=True)
+    assert entry.secret != other.secret and len(entry.secret) >= 32
+    pinned = _prefill(outbox, lock, entry, h, stream_pieces=False)
+    for wrong in (secret, other.secret):
+        with pytest.raises(PermissionDeniedError):
+            if call == "get":
+                outbox.get("r", wrong)
+            elif call == "attach":
+                outbox.attach("r", h.fingerprint, wrong)
+            else:
+                outbox.release("r", wrong)
+    assert outbox.stats()["denied"] == 2
+    assert outbox.state("r") is Handoff.HELD and pinned.frees == 0  # untouched
+    assert outbox.get("r", entry.secret) is not None  # the holder still gets it
+    outbox.release("r", entry.secret)
+    assert pinned.frees == 1
+    outbox.release("r", "wrong")  # gone: nothing to protect, idempotent as before
+
+
+def test_the_secret_is_not_in_a_ref_s_repr():
+    from kvtransfer.base import KVRef
+
+    ref = KVRef("r", "h:1", True, "s3cr3t-value")
+    assert "s3cr3t" not in repr(ref) and ref.secret == "s3cr3t-value"

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\"{\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"s\n\rPullKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\x12\x0f\n\x07host_id\x18\x04 \x01(\t\"\xd7\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cnum_computed\x18\x03 \x01(\r\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12\x1a\n\rfirst_logprob\x18\t \x01(\x02H\x00\x88\x01\x01\x12\x13\n\x0b\x63hunk_bytes\x18\n \x01(\x04\x12\x17\n\x0f\x63hunk_checksums\x18\x0b \x03(\x04\x12\x10\n\x08\x63hecksum\x18\x0c \x01(\t\x12\x10\n\x08shm_name\x18\r \x01(\t\x12\x15\n\rfinished_unix\x18\x0e \x01(\x01\x42\x10\n\x0e_first_logprob\"b\n\x07KVChunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\x05\x63rc32\x18\x03 \x01(\x07H\x00\x88\x01\x01\x12\x13\n\x06\x63rc32c\x18\x04 \x01(\x07H\x01\x88\x01\x01\x42\x08\n\x06_crc32B\t\n\x07_crc32c\"e\n\x0ePullKVResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x42\x05\n\x03msg\"K\n\x0fStreamKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\"\x9e\x01\n\x0cKVLayerPiece\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x11\n\ttoken_end\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x12\n\x05\x63rc32\x18\x06 \x01(\x07H\x00\x88\x01\x01\x12\x13\n\x06\x63rc32c\x18\x07 \x01(\x07H\x01\x88\x01\x01\x42\x08\n\x06_crc32B\t\n\x07_crc32c\"\xc9\x01\n\x10StreamKVResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12)\n\x05piece\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.KVLayerPieceH\x00\x12\'\n\x07trailer\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12\x32\n\theartbeat\x18\x04 \x01(\x0b\x32\x1d.pdserve.v1.StreamKVHeartbeatH\x00\x42\x05\n\x03msg\"\x13\n\x11StreamKVHeartbeat\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x13\n\x11ReleaseKVResponse2\xe2\x01\n\nKVTransfer\x12\x41\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x1a.pdserve.v1.PullKVResponse0\x01\x12G\n\x08StreamKV\x12\x1b.pdserve.v1.StreamKVRequest\x1a\x1c.pdserve.v1.StreamKVResponse0\x01\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\"{\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\x83\x01\n\rPullKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x0e\n\x06secret\x18\x05 \x01(\t\"\xd7\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cnum_computed\x18\x03 \x01(\r\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12\x1a\n\rfirst_logprob\x18\t \x01(\x02H\x00\x88\x01\x01\x12\x13\n\x0b\x63hunk_bytes\x18\n \x01(\x04\x12\x17\n\x0f\x63hunk_checksums\x18\x0b \x03(\x04\x12\x10\n\x08\x63hecksum\x18\x0c \x01(\t\x12\x10\n\x08shm_name\x18\r \x01(\t\x12\x15\n\rfinished_unix\x18\x0e \x01(\x01\x42\x10\n\x0e_first_logprob\"b\n\x07KVChunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\x05\x63rc32\x18\x03 \x01(\x07H\x00\x88\x01\x01\x12\x13\n\x06\x63rc32c\x18\x04 \x01(\x07H\x01\x88\x01\x01\x42\x08\n\x06_crc32B\t\n\x07_crc32c\"e\n\x0ePullKVResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x42\x05\n\x03msg\"[\n\x0fStreamKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06secret\x18\x03 \x01(\t\"\x9e\x01\n\x0cKVLayerPiece\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x11\n\ttoken_end\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x12\n\x05\x63rc32\x18\x06 \x01(\x07H\x00\x88\x01\x01\x12\x13\n\x06\x63rc32c\x18\x07 \x01(\x07H\x01\x88\x01\x01\x42\x08\n\x06_crc32B\t\n\x07_crc32c\"\xc9\x01\n\x10StreamKVResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12)\n\x05piece\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.KVLayerPieceH\x00\x12\'\n\x07trailer\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12\x32\n\theartbeat\x18\x04 \x01(\x0b\x32\x1d.pdserve.v1.StreamKVHeartbeatH\x00\x42\x05\n\x03msg\"\x13\n\x11StreamKVHeartbeat\"6\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\"\x13\n\x11ReleaseKVResponse2\xe2\x01\n\nKVTransfer\x12\x41\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x1a.pdserve.v1.PullKVResponse0\x01\x12G\n\x08StreamKV\x12\x1b.pdserve.v1.StreamKVRequest\x1a\x1c.pdserve.v1.StreamKVResponse0\x01\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVLAYOUT']._serialized_start=50
   _globals['_KVLAYOUT']._serialized_end=173
-  _globals['_PULLKVREQUEST']._serialized_start=175
-  _globals['_PULLKVREQUEST']._serialized_end=290
-  _globals['_KVHEADER']._serialized_start=293
-  _globals['_KVHEADER']._serialized_end=636
-  _globals['_KVCHUNK']._serialized_start=638
-  _globals['_KVCHUNK']._serialized_end=736
-  _globals['_PULLKVRESPONSE']._serialized_start=738
-  _globals['_PULLKVRESPONSE']._serialized_end=839
-  _globals['_STREAMKVREQUEST']._serialized_start=841
-  _globals['_STREAMKVREQUEST']._serialized_end=916
-  _globals['_KVLAYERPIECE']._serialized_start=919
-  _globals['_KVLAYERPIECE']._serialized_end=1077
-  _globals['_STREAMKVRESPONSE']._serialized_start=1080
-  _globals['_STREAMKVRESPONSE']._serialized_end=1281
-  _globals['_STREAMKVHEARTBEAT']._serialized_start=1283
-  _globals['_STREAMKVHEARTBEAT']._serialized_end=1302
-  _globals['_RELEASEKVREQUEST']._serialized_start=1304
-  _globals['_RELEASEKVREQUEST']._serialized_end=1342
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1344
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1363
-  _globals['_KVTRANSFER']._serialized_start=1366
-  _globals['_KVTRANSFER']._serialized_end=1592
+  _globals['_PULLKVREQUEST']._serialized_start=176
+  _globals['_PULLKVREQUEST']._serialized_end=307
+  _globals['_KVHEADER']._serialized_start=310
+  _globals['_KVHEADER']._serialized_end=653
+  _globals['_KVCHUNK']._serialized_start=655
+  _globals['_KVCHUNK']._serialized_end=753
+  _globals['_PULLKVRESPONSE']._serialized_start=755
+  _globals['_PULLKVRESPONSE']._serialized_end=856
+  _globals['_STREAMKVREQUEST']._serialized_start=858
+  _globals['_STREAMKVREQUEST']._serialized_end=949
+  _globals['_KVLAYERPIECE']._serialized_start=952
+  _globals['_KVLAYERPIECE']._serialized_end=1110
+  _globals['_STREAMKVRESPONSE']._serialized_start=1113
+  _globals['_STREAMKVRESPONSE']._serialized_end=1314
+  _globals['_STREAMKVHEARTBEAT']._serialized_start=1316
+  _globals['_STREAMKVHEARTBEAT']._serialized_end=1335
+  _globals['_RELEASEKVREQUEST']._serialized_start=1337
+  _globals['_RELEASEKVREQUEST']._serialized_end=1391
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1393
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1412
+  _globals['_KVTRANSFER']._serialized_start=1415
+  _globals['_KVTRANSFER']._serialized_end=1641
 # @@protoc_insertion_point(module_scope)

@@ -23,16 +23,18 @@ class KVLayout(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
-    __slots__ = ("request_id", "layout", "max_chunk_bytes", "host_id")
+    __slots__ = ("request_id", "layout", "max_chunk_bytes", "host_id", "secret")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KVLayout
     max_chunk_bytes: int
     host_id: str
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
+    secret: str
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class KVHeader(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_computed", "layout", "block_hashes", "num_blocks", "total_bytes", "num_chunks", "first_logprob", "chunk_bytes", "chunk_checksums", "checksum", "shm_name", "finished_unix")
@@ -87,12 +89,14 @@ class PullKVResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ...) -> None: ...
 
 class StreamKVRequest(_message.Message):
-    __slots__ = ("request_id", "layout")
+    __slots__ = ("request_id", "layout", "secret")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KVLayout
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    secret: str
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class KVLayerPiece(_message.Message):
     __slots__ = ("seq", "layer", "token_start", "token_end", "data", "crc32", "crc32c")
@@ -129,10 +133,12 @@ class StreamKVHeartbeat(_message.Message):
     def __init__(self) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "secret")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    secret: str
+    def __init__(self, request_id: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class ReleaseKVResponse(_message.Message):
     __slots__ = ()
