@@ -19,6 +19,15 @@ HASH_BYTES = 16
 ROOT_HASH: BlockHash = hashlib.sha256(b"pdserve/block-hash/v1").digest()[:HASH_BYTES]
 
 
+def salted_root(salt: str | None) -> BlockHash | None:
+    """The parent of a request's first block: None (``ROOT_HASH``) without a salt; with one, a
+    root of its own, so requests with different salts never share a block hash (no prefix-cache
+    reuse across them, and ``cached_tokens`` says nothing about the other salts' prompts)."""
+    if salt is None:
+        return None
+    return hashlib.sha256(b"pdserve/block-hash/v1/salt\0" + salt.encode()).digest()[:HASH_BYTES]
+
+
 def hash_block(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     """Hash one full block given its parent's hash (None for the first block)."""
     h = hashlib.sha256(parent if parent is not None else ROOT_HASH)

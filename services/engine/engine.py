@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from services.engine.backend import get_backend
-from services.engine.block_hash import hash_block, hash_blocks
+from services.engine.block_hash import hash_block, hash_blocks, salted_root
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.cpu_backend import supports as cpu_backend_supports
@@ -288,7 +288,9 @@ class Engine:
                 req.text = req.detok.push(first)
                 req.sent_text = len(req.text)
             req.timings.last_token = req.timings.arrival
-        req.block_hashes = hash_blocks(req.token_ids, self.config.block_size)
+        req.block_hashes = hash_blocks(
+            req.token_ids, self.config.block_size, salted_root(params.cache_salt)
+        )
         if (
             kv_handle is not None
             and tuple(req.block_hashes[: len(kv_handle.block_hashes)]) != kv_handle.block_hashes
@@ -558,7 +560,9 @@ class Engine:
         req.token_ids.append(token)
         bs = self.config.block_size
         if req.num_tokens % bs == 0:
-            parent = req.block_hashes[-1] if req.block_hashes else None
+            parent = (
+                req.block_hashes[-1] if req.block_hashes else salted_root(req.params.cache_salt)
+            )
             req.block_hashes.append(hash_block(parent, req.token_ids[-bs:]))
         if logprob is not None and req.params.logprobs:
             req.logprobs.append(logprob)

@@ -9,6 +9,7 @@ MIN_TEMPERATURE = 1e-5  # below it (and above 0), logits / temperature can overf
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # NOTE: not a sampling setting, but it travels wherever the request does (prefill,
+    # decode, re-prefill, resume): it scopes prefix-cache reuse (services.engine.block_hash)
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +85,14 @@ class SamplingParams:
         ):
             raise InvalidRequestError(
                 "stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}"
+            )
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str)
+            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise InvalidRequestError(
+                "cache_salt",
+                f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
             )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ray.serve.exceptions import BackPressureError
 
 from services.config import ServeConfig
-from services.engine.block_hash import hash_blocks
+from services.engine.block_hash import hash_blocks, salted_root
 from services.engine.errors import InvalidRequestError
 from services.engine.loader import read_model_config, resolve_model
 from services.engine.sampling_params import SamplingParams, check_prompt
@@ -366,7 +366,7 @@ class Gateway:
         """One run of the request through the pools: prefill (or not), then decode."""
         deadline = self.cfg.request_timeout_s
         n = len(spec.prompt_ids)
-        cached = await self.lookup(spec.prompt_ids)
+        cached = await self.lookup(spec.prompt_ids, spec.params.cache_salt)
         on_decode = {k: v for k, v in cached.items() if k.startswith("decode-")}
         direct = prefill_on_decode(
             self.cfg.mode, n, max(on_decode.values(), default=0), self.cfg.conditional_threshold
@@ -484,14 +484,16 @@ class Gateway:
         timing.prefilled = True
         timing.num_cached_tokens = cached_tokens
 
-    async def lookup(self, prompt_ids: Sequence[int]) -> dict[str, int]:
+    async def lookup(
+        self, prompt_ids: Sequence[int], cache_salt: str | None = None
+    ) -> dict[str, int]:
         """Index replica id -> prompt tokens it holds; {} when routing by load only.
 
         Hashes ``prompt[:-1]``: the engine always computes the last prompt token (its logits
         give the first token), so exactly these blocks are reusable."""
         if self.index is None or time.monotonic() < self._index_down_until:
             return {}
-        hashes = hash_blocks(prompt_ids[:-1], self.cfg.block_size)
+        hashes = hash_blocks(prompt_ids[:-1], self.cfg.block_size, salted_root(cache_salt))
         if not hashes:
             return {}
         t = time.perf_counter()

@@ -51,6 +51,7 @@ def sampling_params(s: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
+        cache_salt=s.cache_salt if s.HasField("cache_salt") else None,
     )
     params.validate()
     return params

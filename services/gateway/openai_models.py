@@ -27,6 +27,11 @@ class _Sampling(BaseModel):
     ignore_eos: bool = Field(False, description="extension")
     stream: bool = False
     n: int = Field(1, description="only 1 is supported")
+    cache_salt: str | None = Field(
+        None,
+        description="as vLLM's: requests with different salts never share prefix-cache blocks "
+        "(and cached_tokens says nothing across them); one per tenant",
+    )
 
     def sampling_params(self, default_max_tokens: int, logprobs: bool) -> SamplingParams:
         if self.n != 1:
@@ -41,6 +46,7 @@ class _Sampling(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            cache_salt=self.cache_salt,
         )
 
 

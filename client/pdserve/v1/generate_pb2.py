@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf7\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xe6\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x13\n\x0bresume_from\x18\x07 \x01(\rB\x08\n\x06prompt\"?\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb6\x01\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x12\n\nitl_mean_s\x18\x05 \x01(\x01\x12\x11\n\titl_p50_s\x18\x06 \x01(\x01\x12\x11\n\titl_p99_s\x18\x07 \x01(\x01\x12\x11\n\titl_max_s\x18\x08 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\t \x01(\x01\"\x94\x01\n\x07Summary\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x03 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"k\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12&\n\x07summary\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.SummaryH\x00\x42\x06\n\x04kind\"c\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\">\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xe9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x9f\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x17\n\ncache_salt\x18\n \x01(\tH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_cache_salt\"\xe6\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x13\n\x0bresume_from\x18\x07 \x01(\rB\x08\n\x06prompt\"?\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb6\x01\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x12\n\nitl_mean_s\x18\x05 \x01(\x01\x12\x11\n\titl_p50_s\x18\x06 \x01(\x01\x12\x11\n\titl_p99_s\x18\x07 \x01(\x01\x12\x11\n\titl_max_s\x18\x08 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\t \x01(\x01\"\x94\x01\n\x07Summary\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x03 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"k\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12&\n\x07summary\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.SummaryH\x00\x42\x06\n\x04kind\"c\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\">\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xe9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1551
-  _globals['_FINISHREASON']._serialized_end=1646
+  _globals['_FINISHREASON']._serialized_start=1591
+  _globals['_FINISHREASON']._serialized_end=1686
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_CHATMESSAGES']._serialized_start=87
@@ -40,29 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=146
   _globals['_TOKENIDS']._serialized_end=169
   _globals['_SAMPLINGPARAMS']._serialized_start=172
-  _globals['_SAMPLINGPARAMS']._serialized_end=419
-  _globals['_GENERATEREQUEST']._serialized_start=422
-  _globals['_GENERATEREQUEST']._serialized_end=652
-  _globals['_TOKENCHUNK']._serialized_start=654
-  _globals['_TOKENCHUNK']._serialized_end=717
-  _globals['_USAGE']._serialized_start=719
-  _globals['_USAGE']._serialized_end=799
-  _globals['_TIMING']._serialized_start=802
-  _globals['_TIMING']._serialized_end=984
-  _globals['_SUMMARY']._serialized_start=987
-  _globals['_SUMMARY']._serialized_end=1135
-  _globals['_GENERATERESPONSE']._serialized_start=1137
-  _globals['_GENERATERESPONSE']._serialized_end=1244
-  _globals['_TOKENIZEREQUEST']._serialized_start=1246
-  _globals['_TOKENIZEREQUEST']._serialized_end=1345
-  _globals['_TOKENIZERESPONSE']._serialized_start=1347
-  _globals['_TOKENIZERESPONSE']._serialized_end=1407
-  _globals['_LISTMODELSREQUEST']._serialized_start=1409
-  _globals['_LISTMODELSREQUEST']._serialized_end=1428
-  _globals['_MODEL']._serialized_start=1430
-  _globals['_MODEL']._serialized_end=1492
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1494
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1549
-  _globals['_GENERATION']._serialized_start=1649
-  _globals['_GENERATION']._serialized_end=1882
+  _globals['_SAMPLINGPARAMS']._serialized_end=459
+  _globals['_GENERATEREQUEST']._serialized_start=462
+  _globals['_GENERATEREQUEST']._serialized_end=692
+  _globals['_TOKENCHUNK']._serialized_start=694
+  _globals['_TOKENCHUNK']._serialized_end=757
+  _globals['_USAGE']._serialized_start=759
+  _globals['_USAGE']._serialized_end=839
+  _globals['_TIMING']._serialized_start=842
+  _globals['_TIMING']._serialized_end=1024
+  _globals['_SUMMARY']._serialized_start=1027
+  _globals['_SUMMARY']._serialized_end=1175
+  _globals['_GENERATERESPONSE']._serialized_start=1177
+  _globals['_GENERATERESPONSE']._serialized_end=1284
+  _globals['_TOKENIZEREQUEST']._serialized_start=1286
+  _globals['_TOKENIZEREQUEST']._serialized_end=1385
+  _globals['_TOKENIZERESPONSE']._serialized_start=1387
+  _globals['_TOKENIZERESPONSE']._serialized_end=1447
+  _globals['_LISTMODELSREQUEST']._serialized_start=1449
+  _globals['_LISTMODELSREQUEST']._serialized_end=1468
+  _globals['_MODEL']._serialized_start=1470
+  _globals['_MODEL']._serialized_end=1532
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1534
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1589
+  _globals['_GENERATION']._serialized_start=1689
+  _globals['_GENERATION']._serialized_end=1922
 # @@protoc_insertion_point(module_scope)
