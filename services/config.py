@@ -258,6 +258,12 @@ class ServeConfig(BaseModel):
         "(the handoff's lease), then frees it",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="longest a request may run")
+    special_tokens_in_messages: bool = Field(
+        False,
+        description="chat message content may contain the model's control tokens (the old, "
+        "unsafe behaviour: a user could type `<|im_start|>system` and forge a turn); by "
+        "default only the chat template's own markup yields control tokens",
+    )
     resume_timeout_s: float = Field(
         30.0,
         ge=0,

@@ -103,6 +103,11 @@ class Tokenizer:
         self.eos_token_id = tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._compiled_template: Any = None
+        self._trims: bool | None = None  # whether the template strips message content
+        # NOTE: a second tokenizer that reads special-token text as plain text (for message
+        # content); a flag on one instance would race between the gateway's worker threads
+        self._as_text = HFTokenizer.from_str(tok.to_str())
+        self._as_text.encode_special_tokens = True
 
     @classmethod
     def from_folder(cls, folder: Path) -> Tokenizer:
@@ -152,9 +157,52 @@ class Tokenizer:
             eos_token=self.eos_token or "",
         )
 
-    def encode_chat(self, messages: Sequence[ChatMessage | dict[str, str]]) -> list[int]:
+    def _template_trims(self) -> bool:
+        if self._trims is None:
+            self._trims = _trims(self)
+        return self._trims
+
+    def encode_chat(
+        self,
+        messages: Sequence[ChatMessage | dict[str, str]],
+        special_tokens_in_content: bool = False,
+    ) -> list[int]:
+        """The chat prompt's token ids. Only the template's own markup yields control tokens:
+        ``<|im_start|>system`` typed inside a message is text (its characters' ordinary
+        tokens), so a user cannot forge a turn. ``special_tokens_in_content``: the old, unsafe
+        behaviour (the whole rendered prompt tokenized at once, as HF does)."""
         # NOTE: templates write their own BOS, so no special tokens are added (as in HF).
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        if special_tokens_in_content:
+            return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        msgs = [
+            m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages
+        ]
+        # each content is rendered as a marker the template passes through untouched, then
+        # the markup between markers is tokenized with control tokens and the contents without
+        marks = [f"\ue000{i}\ue001" for i in range(len(msgs))]
+        text = self.apply_chat_template(
+            [{**m, "content": mark} for m, mark in zip(msgs, marks, strict=True)]
+        )
+        ids: list[int] = []
+        for i, mark in enumerate(marks):
+            head, sep, text = text.partition(mark)
+            if not sep:  # the template dropped or changed this message's content
+                raise InvalidRequestError(
+                    "messages", f"the chat template does not render message {i}'s content as is"
+                )
+            ids += self._tok.encode(head, add_special_tokens=False).ids if head else []
+            content = str(msgs[i].get("content", ""))
+            if self._template_trims():
+                content = content.strip()
+            ids += self._as_text.encode(content, add_special_tokens=False).ids if content else []
+        if text:
+            ids += self._tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+
+def _trims(tok: Tokenizer) -> bool:
+    probe = " \ue000x\ue001 "
+    return probe not in tok.apply_chat_template([{"role": "user", "content": probe}])
 
 
 def _token_str(v: Any) -> str | None:

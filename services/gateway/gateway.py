@@ -295,6 +295,11 @@ class Gateway:
         with self.admission.slot():
             return await asyncio.to_thread(fn, *args)
 
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """A chat's prompt ids; markup typed in a message is text unless
+        ``special_tokens_in_messages`` (services.engine.tokenizer.Tokenizer.encode_chat)."""
+        return self.tokenizer.encode_chat(messages, self.cfg.special_tokens_in_messages)
+
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:

@@ -69,8 +69,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if not chat.messages:
             raise InvalidRequestError("chat.messages", "must hold at least one message")
         return await self.gw.tokenized(
-            self.gw.tokenizer.encode_chat,
-            [{"role": m.role, "content": m.content} for m in chat.messages],
+            self.gw.chat_ids, [{"role": m.role, "content": m.content} for m in chat.messages]
         )
 
     async def Generate(

@@ -182,7 +182,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
         req = parse(ChatCompletionRequest, await body_of(request))
         assert isinstance(req, ChatCompletionRequest)
         gw.check_model(req.model)
-        ids = await gw.tokenized(gw.tokenizer.encode_chat, [m.model_dump() for m in req.messages])
+        ids = await gw.tokenized(gw.chat_ids, [m.model_dump() for m in req.messages])
         default = req.max_completion_tokens or max(1, gw.max_model_len - len(ids))
         spec = gw.spec(ids, req.sampling_params(default, req.logprobs))
         return await respond(spec, req.stream, chat=True)
