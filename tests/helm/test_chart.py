@@ -233,6 +233,40 @@ def test_secrets_are_never_rendered_in_plain_text():
     assert refs == {"pdserve-api-token", "pdserve-redis"}
 
 
+def test_the_chart_s_redis_requires_a_password_by_default():
+    """No password given: the chart's Redis still gets one (random, in a Secret the pods and
+    Redis read by reference); an external Redis gets none from the chart."""
+    docs = render(None)
+    secrets = {s["metadata"]["name"]: s for s in by_kind(docs, "Secret")}
+    password = base64.b64decode(secrets["rel-pdserve-redis"]["data"]["password"]).decode()
+    assert len(password) == 32 and password.isalnum()
+    (redis,) = by_kind(docs, "StatefulSet")
+    (rc,) = redis["spec"]["template"]["spec"]["containers"]
+    assert rc["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "rel-pdserve-redis"
+    assert password not in yaml.safe_dump([d for d in docs if d["kind"] != "Secret"])
+    again = render(None)  # NOTE: offline render: no release to keep it from, so a new one
+    assert {s["metadata"]["name"] for s in by_kind(again, "Secret")} == {"rel-pdserve-redis"}
+    external = render(None, "redis.enabled=false", 'redis.externalUrl="redis://r:6379/0"')
+    assert by_kind(external, "Secret") == []
+
+
+def test_only_the_operator_in_its_namespace_reaches_the_dashboard():
+    docs = render(None)
+    rp = _policy(docs, "-ray")
+    (op,) = [r for r in rp["ingress"] if {p["port"] for p in r["ports"]} == {8265, 52365}]
+    assert op["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+        }
+    ]
+    docs = render(None, 'networkPolicy.operatorNamespace="ray-operators"')
+    (op,) = [r for r in _policy(docs, "-ray")["ingress"] if r["ports"][0]["port"] == 8265]
+    assert op["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "ray-operators"
+    }
+
+
 def _policy(docs, suffix):  # type: ignore[no-untyped-def]
     (p,) = [d for d in by_kind(docs, "NetworkPolicy") if d["metadata"]["name"].endswith(suffix)]
     return p["spec"]

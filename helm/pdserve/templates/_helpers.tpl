@@ -37,7 +37,7 @@ redis://{{ include "pdserve.redisHost" . }}:6379/0
 {{- define "pdserve.redisSecret" -}}
 {{- if .Values.redis.existingSecret -}}
 {{ .Values.redis.existingSecret }}
-{{- else if .Values.redis.password -}}
+{{- else if or .Values.redis.password .Values.redis.enabled -}}
 {{ include "pdserve.fullname" . }}-redis
 {{- end -}}
 {{- end -}}
