@@ -47,6 +47,19 @@ def check_layout(got: LayoutFingerprint, want: LayoutFingerprint) -> None:
         raise LayoutMismatchError(f"KV layout mismatch: {got.describe_mismatch(want)}")
 
 
+@dataclass(frozen=True, slots=True)
+class KVTls:
+    """Mutual TLS for the KV plane (grpc, shm): every replica presents ``cert`` (PEM, with
+    ``key``) as server and as client, and trusts only peers signed by ``ca``. ``server_name``:
+    the name the senders' certificates carry, checked instead of the dialled address (pod IPs
+    are not known when certificates are issued); None checks the address itself."""
+
+    cert: bytes = field(repr=False)
+    key: bytes = field(repr=False)
+    ca: bytes = field(repr=False)
+    server_name: str | None = None
+
+
 # ---- the sender's side ----------------------------------------------------------------------
 class KVSource(Protocol):
     """What a transport server serves from: a prefill replica's ``kvtransfer.outbox.Outbox``

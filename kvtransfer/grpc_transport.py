@@ -28,6 +28,7 @@ import grpc.experimental
 from kvtransfer import shm, wire
 from kvtransfer.base import (
     KVSource,
+    KVTls,
     PermissionDeniedError,
     StreamBusyError,
     StreamFailedError,
@@ -173,6 +174,7 @@ class GrpcKVServer:
         shared_memory: bool = False,
         lease_s: float = 60.0,
         message_hook: MessageHook | None = None,
+        tls: KVTls | None = None,
     ) -> None:
         self.segments = shm.Segments(lease_s) if shared_memory else None
         self._server = grpc.server(
@@ -197,7 +199,13 @@ class GrpcKVServer:
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(_SERVICE, handlers),)
         )
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        else:  # NOTE: mutual: a receiver without a certificate signed by the CA gets nothing
+            creds = grpc.ssl_server_credentials(
+                [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
+            )
+            bound = self._server.add_secure_port(f"{host}:{port}", creds)
         if bound == 0:
             raise OSError(f"cannot bind the KV transfer server to {host}:{port}")
         self._address = f"{host}:{bound}"
@@ -221,8 +229,13 @@ class _Calls:
     """One channel to a sender and its three calls (made once: building a multicallable
     costs more than a small pull)."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=_CLIENT_OPTIONS)
+    def __init__(self, address: str, tls: KVTls | None) -> None:
+        if tls is None:
+            self.channel = grpc.insecure_channel(address, options=_CLIENT_OPTIONS)
+        else:
+            creds = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
+            name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+            self.channel = grpc.secure_channel(address, creds, options=[*_CLIENT_OPTIONS, *name])
         # NOTE: no response deserializer on the data streams: ``wire`` reads the raw frames
         # without a copy
         self.pull = self.channel.unary_stream(
@@ -245,7 +258,8 @@ class GrpcKVClient:
         shared_memory: offer same-host handover (the server uses it when it shares /dev/shm).
     """
 
-    def __init__(self, shared_memory: bool = False) -> None:
+    def __init__(self, shared_memory: bool = False, tls: KVTls | None = None) -> None:
+        self.tls = tls
         self._calls: dict[str, _Calls] = {}
         self._lock = threading.Lock()
         self.host_id = shm.host_id() if shared_memory else ""
@@ -255,7 +269,7 @@ class GrpcKVClient:
         with self._lock:
             calls = self._calls.get(address)
             if calls is None:
-                calls = self._calls[address] = _Calls(address)
+                calls = self._calls[address] = _Calls(address, self.tls)
             return calls
 
     def pull(
@@ -377,14 +391,17 @@ class GrpcTransport:
 
     streaming = True  # layer-wise streams (StreamKV)
 
-    def __init__(self, shared_memory: bool = False) -> None:
+    def __init__(self, shared_memory: bool = False, tls: KVTls | None = None) -> None:
         self.shared_memory = shared_memory
+        self.tls = tls
         self.name = "shm" if shared_memory else "grpc"
 
     def serve(
         self, source: KVSource, host: str = "127.0.0.1", port: int = 0, **options: Any
     ) -> GrpcKVServer:
-        return GrpcKVServer(source, host, port, shared_memory=self.shared_memory, **options)
+        return GrpcKVServer(
+            source, host, port, shared_memory=self.shared_memory, tls=self.tls, **options
+        )
 
     def client(self) -> GrpcKVClient:
-        return GrpcKVClient(shared_memory=self.shared_memory)
+        return GrpcKVClient(shared_memory=self.shared_memory, tls=self.tls)

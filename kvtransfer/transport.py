@@ -12,35 +12,45 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtransfer.base import Transport
+from kvtransfer.base import KVTls, Transport
 
 
-def _load_grpc() -> Transport:
+def _load_grpc(tls: KVTls | None) -> Transport:
     from kvtransfer.grpc_transport import GrpcTransport
 
-    return GrpcTransport()
+    return GrpcTransport(tls=tls)
 
 
-def _load_shm() -> Transport:
+def _load_shm(tls: KVTls | None) -> Transport:
     from kvtransfer.grpc_transport import GrpcTransport
 
-    return GrpcTransport(shared_memory=True)
+    return GrpcTransport(shared_memory=True, tls=tls)
 
 
-def _load_gloo() -> Transport:
+def _no_tls(name: str, tls: KVTls | None) -> None:
+    if tls is not None:
+        raise ValueError(
+            f"KV transport {name} has no TLS (torch.distributed's store and groups are "
+            "plaintext); use kv_transport grpc or shm with the kv_tls_* settings"
+        )
+
+
+def _load_gloo(tls: KVTls | None) -> Transport:
+    _no_tls("gloo", tls)
     from kvtransfer.dist_transport import DistTransport
 
     return DistTransport("gloo")
 
 
-def _load_nccl() -> Transport:
+def _load_nccl(tls: KVTls | None) -> Transport:
+    _no_tls("nccl", tls)
     from kvtransfer.dist_transport import DistTransport
 
     return DistTransport("nccl")
 
 
 # NOTE: lazy: a transport's dependencies load only when it is chosen
-TRANSPORTS: dict[str, Callable[[], Transport]] = {
+TRANSPORTS: dict[str, Callable[[KVTls | None], Transport]] = {
     "grpc": _load_grpc,
     "shm": _load_shm,
     "gloo": _load_gloo,
@@ -48,11 +58,13 @@ TRANSPORTS: dict[str, Callable[[], Transport]] = {
 }
 
 
-def get_transport(name: str) -> Transport:
-    """Instantiate a transport by name; the error lists the valid names."""
+def get_transport(name: str, tls: KVTls | None = None) -> Transport:
+    """Instantiate a transport by name (``tls``: mutual TLS, grpc and shm only); the error
+    lists the valid names."""
     try:
-        return TRANSPORTS[name]()
+        load = TRANSPORTS[name]
     except KeyError:
         raise ValueError(
             f"unknown KV transport {name!r}; choose one of: {', '.join(TRANSPORTS)}"
         ) from None
+    return load(tls)

@@ -211,6 +211,20 @@ class ServeConfig(BaseModel):
         "under a one-host `pdserve serve` that starts its own Ray; or an explicit address. "
         "Every KV call must also carry its transfer's secret",
     )
+    kv_tls_cert: str | None = Field(
+        None,
+        description="mutual TLS for the KV plane (kv_transport grpc or shm): this replica's "
+        "PEM certificate, presented as KV server and as KV client",
+    )
+    kv_tls_key: str | None = Field(None, description="PEM private key of kv_tls_cert")
+    kv_tls_ca: str | None = Field(
+        None, description="PEM CA certificate every KV peer's certificate must be signed by"
+    )
+    kv_tls_server_name: str | None = Field(
+        None,
+        description="the name in the prefill replicas' certificates, checked instead of the "
+        "dialled address (pod IPs are unknown when certificates are issued)",
+    )
     kv_port: int = Field(
         0,
         ge=0,
@@ -310,6 +324,13 @@ class ServeConfig(BaseModel):
     def _tls_pair(self) -> ServeConfig:
         if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
             raise ValueError("grpc_tls_cert and grpc_tls_key must be given together")
+        kv_tls = (self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca)
+        if any(x is not None for x in kv_tls) and any(x is None for x in kv_tls):
+            raise ValueError("kv_tls_cert, kv_tls_key and kv_tls_ca must be given together")
+        if self.kv_tls_cert is not None and self.kv_transport not in ("grpc", "shm"):
+            raise ValueError(
+                f"kv_tls_* needs kv_transport grpc or shm; {self.kv_transport} has no TLS"
+            )
         return self
 
     def engine_config(

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvtransfer.base import Transport
 from services.affinity import parse_cpus, pin_current_process
 from services.config import PoolConfig, ServeConfig
 from services.engine.async_engine import AsyncEngine
@@ -51,6 +52,25 @@ def replica_identity() -> str:
     import socket
 
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def kv_transport(cfg: ServeConfig) -> Transport:
+    """The configured KV transport, with mutual TLS when ``kv_tls_*`` are set (the files are
+    read here, in the replica: the config carries paths, not keys)."""
+    from pathlib import Path
+
+    from kvtransfer.base import KVTls
+    from kvtransfer.transport import get_transport
+
+    tls = None
+    if cfg.kv_tls_cert and cfg.kv_tls_key and cfg.kv_tls_ca:
+        tls = KVTls(
+            Path(cfg.kv_tls_cert).read_bytes(),
+            Path(cfg.kv_tls_key).read_bytes(),
+            Path(cfg.kv_tls_ca).read_bytes(),
+            cfg.kv_tls_server_name,
+        )
+    return get_transport(cfg.kv_transport, tls)
 
 
 def node_ip() -> str:

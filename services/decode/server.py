@@ -20,12 +20,11 @@ from typing import Any, Literal
 
 from kvtransfer.inbox import Inbox, InboxConfig, Received
 from kvtransfer.selftest import self_test
-from kvtransfer.transport import get_transport
 from services.config import ServeConfig
 from services.decode.pull_budget import PullBudget
 from services.engine.kv_cache import KVCache
 from services.pd_flow import GenerateSpec, KVRef, KVTransferFailedError, RouteHint, TokenChunk
-from services.replica import EngineReplica, open_index
+from services.replica import EngineReplica, kv_transport, open_index
 
 
 class DecodeServer(EngineReplica):
@@ -35,7 +34,7 @@ class DecodeServer(EngineReplica):
         self, cfg: ServeConfig, role: Literal["both", "decode"] = "decode", index_handle: Any = None
     ) -> None:
         super().__init__(cfg, cfg.decode, role, open_index(cfg, index_handle))
-        transport = get_transport(cfg.kv_transport)  # NOTE: raises if it cannot work here
+        transport = kv_transport(cfg)  # NOTE: raises if it cannot work here
         if role == "decode":
             self.metrics.observe_self_test(self_test(transport, self.engine.engine.fingerprint))
         self.inbox = Inbox(

@@ -19,12 +19,11 @@ from typing import Any
 
 from kvtransfer.outbox import Entry, Outbox, OutboxConfig
 from kvtransfer.selftest import self_test
-from kvtransfer.transport import get_transport
 from services.config import ServeConfig
 from services.engine.async_engine import EngineStalledError
 from services.engine.request import FinishReason, RequestOutput
 from services.pd_flow import GenerateSpec, KVRef, PrefillResult, RouteHint
-from services.replica import EngineReplica, node_ip, open_index, replica_identity
+from services.replica import EngineReplica, kv_transport, node_ip, open_index, replica_identity
 
 
 class PrefillServer(EngineReplica):
@@ -33,7 +32,7 @@ class PrefillServer(EngineReplica):
 
     def __init__(self, cfg: ServeConfig, index_handle: Any = None) -> None:
         super().__init__(cfg, cfg.prefill, "prefill", open_index(cfg, index_handle))
-        transport = get_transport(cfg.kv_transport)  # NOTE: raises if it cannot work here
+        transport = kv_transport(cfg)  # NOTE: raises if it cannot work here
         engine = self.engine.engine
         self.metrics.observe_self_test(self_test(transport, engine.fingerprint))
         self.outbox = Outbox(
