@@ -86,6 +86,9 @@ def build_app(cfg: ServeConfig):  # -> serve Application
         request_router_class=PdRequestRouter,
         request_routing_stats_period_s=cfg.routing_stats_period_s,
     )
+    # NOTE: engine replicas never check the API token: their config (pickled into Ray's state
+    # with each replica's arguments) does not carry it; only the gateway's does
+    engine_cfg = cfg.model_copy(update={"auth_token": None})
     decode_role = "both" if cfg.mode == "colocated" else "decode"
     decode = serve.deployment(
         DecodeServer,
@@ -96,7 +99,7 @@ def build_app(cfg: ServeConfig):  # -> serve Application
         max_queued_requests=cfg.decode.max_queued_requests,
         request_router_config=router,
         **_shutdown_options(cfg),
-    ).bind(cfg, decode_role, index)
+    ).bind(engine_cfg, decode_role, index)
     if cfg.mode == "colocated":
         prefill = None
     else:
@@ -109,7 +112,7 @@ def build_app(cfg: ServeConfig):  # -> serve Application
             max_queued_requests=cfg.prefill.max_queued_requests,
             request_router_config=router,
             **_shutdown_options(cfg),
-        ).bind(cfg, index)
+        ).bind(engine_cfg, index)
     gateway_options: dict[str, Any] = {"num_cpus": 0}
     if cfg.gateway_resource:
         gateway_options["resources"] = {cfg.gateway_resource: 1}

@@ -160,3 +160,17 @@ def test_conditional_disaggregation_rule():
     assert prefill_on_decode("disaggregated", 5, 0, 12)
     assert not prefill_on_decode("disaggregated", 40, 0, 12)
     assert prefill_on_decode("disaggregated", 40, 32, 12)  # only 8 tokens left uncached
+
+
+def test_engine_replicas_are_bound_without_the_api_token():
+    """Only the gateway checks the token: the engine replicas' arguments (pickled into Ray's
+    state with every replica) do not carry it."""
+    from services.app import build_app
+
+    cfg = load_config(overrides={"auth_token": "tok-123", "routing": "least_loaded"}, environ={})
+    gateway = build_app(cfg)._bound_deployment
+    prefill, decode, gw_cfg = gateway.init_args[:3]
+    assert gw_cfg.auth_token.get_secret_value() == "tok-123"
+    for pool in (prefill, decode):
+        (pool_cfg, *_) = pool._bound_deployment.init_args
+        assert pool_cfg.auth_token is None and pool_cfg.model == cfg.model

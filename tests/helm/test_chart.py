@@ -216,7 +216,13 @@ def test_secrets_are_never_rendered_in_plain_text():
         for e in c["env"]
         if e["name"] in ("PDSERVE_AUTH_TOKEN", "PDSERVE_REDIS_PASSWORD")
     ]
-    assert len(envs) == 2 * 3 and all("valueFrom" in e and "value" not in e for e in envs)
+    assert all("valueFrom" in e and "value" not in e for e in envs)
+    # the Redis password on every Ray pod (replicas publish to the index); the API token on the
+    # head only (only the gateway checks it)
+    by_name = [e["name"] for e in envs]
+    assert by_name.count("PDSERVE_REDIS_PASSWORD") == 3 and by_name.count("PDSERVE_AUTH_TOKEN") == 1
+    (head,) = groups(docs)["head"]["template"]["spec"]["containers"]
+    assert "PDSERVE_AUTH_TOKEN" in [e["name"] for e in head["env"]]
     (redis,) = by_kind(docs, "StatefulSet")
     (rc,) = redis["spec"]["template"]["spec"]["containers"]
     assert rc["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "rel-pdserve-redis"

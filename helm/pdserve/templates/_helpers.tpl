@@ -164,6 +164,13 @@ decode:
       name: {{ . }}
       key: {{ $.Values.redis.existingSecretKey }}
 {{- end }}
+{{- end -}}
+
+{{/* The head's environment: the shared one, and the API token. NOTE: only the head needs the
+     token (the Serve app is built there and only the gateway checks it; engine replicas get a
+     config without it), so worker pods never see it. */}}
+{{- define "pdserve.headEnv" -}}
+{{ include "pdserve.env" . }}
 {{- if .Values.auth.enabled }}
 - name: PDSERVE_AUTH_TOKEN
   valueFrom:
