@@ -350,3 +350,12 @@ def test_dockerfiles_are_multi_stage_and_non_root(flavour):
     users = [ln for ln in lines if ln.startswith("USER ")]
     assert users and users[-1] != "USER root" and not users[-1].startswith("USER 0")
     assert "wget" in text  # KubeRay's probes
+
+
+def test_ray_token_auth_is_on_by_default():
+    spec = ray_service(render(None))["spec"]["rayClusterConfig"]
+    assert spec["authOptions"] == {"mode": "token"}
+    own = ray_service(render(None, 'rayAuth.existingSecret="ray-token"'))["spec"]
+    assert own["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    off = ray_service(render(None, "rayAuth.enabled=false"))["spec"]["rayClusterConfig"]
+    assert "authOptions" not in off
