@@ -359,3 +359,23 @@ def test_ray_token_auth_is_on_by_default():
     assert own["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": "ray-token"}
     off = ray_service(render(None, "rayAuth.enabled=false"))["spec"]["rayClusterConfig"]
     assert "authOptions" not in off
+
+
+def test_kv_mutual_tls_mounts_its_secret_and_reaches_the_serve_config():
+    docs = render(None, "kvTls.enabled=true", 'kvTls.secretName="kv-certs"')
+    args = serve_args(docs)
+    assert args["kv_tls_cert"] == "/etc/pdserve/kv-tls/tls.crt"
+    assert args["kv_tls_ca"] == "/etc/pdserve/kv-tls/ca.crt"
+    assert args["kv_tls_server_name"] == "pdserve-kv"
+    for g in groups(docs).values():
+        spec = g["template"]["spec"]
+        assert {"name": "kv-tls", "secret": {"secretName": "kv-certs"}} in spec["volumes"]
+        (c,) = spec["containers"]
+        assert {"name": "kv-tls", "mountPath": "/etc/pdserve/kv-tls", "readOnly": True} in c[
+            "volumeMounts"
+        ]
+    from services.config import load_config
+
+    cfg = load_config(overrides=args, environ={})  # the launcher's own loader accepts it
+    assert cfg.kv_tls_server_name == "pdserve-kv"
+    assert "kv_tls_cert" not in serve_args(render(None))

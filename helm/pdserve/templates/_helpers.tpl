@@ -119,6 +119,12 @@ grpc_port: {{ $v.ports.grpc }}
 grpc_tls_cert: /etc/pdserve/tls/tls.crt
 grpc_tls_key: /etc/pdserve/tls/tls.key
 {{- end }}
+{{- if $v.kvTls.enabled }}
+kv_tls_cert: /etc/pdserve/kv-tls/tls.crt
+kv_tls_key: /etc/pdserve/kv-tls/tls.key
+kv_tls_ca: /etc/pdserve/kv-tls/ca.crt
+kv_tls_server_name: {{ $v.kvTls.serverName | quote }}
+{{- end }}
 max_inflight_requests: {{ $s.maxInflightRequests }}
 retry_after_s: {{ $s.retryAfterS }}
 kv_transport: {{ $s.kvTransport }}
@@ -203,6 +209,11 @@ decode:
   secret:
     secretName: {{ .Values.grpcTls.secretName }}
 {{- end }}
+{{- if .Values.kvTls.enabled }}
+- name: kv-tls
+  secret:
+    secretName: {{ required "kvTls.secretName" .Values.kvTls.secretName }}
+{{- end }}
 {{- end -}}
 
 {{- define "pdserve.volumeMounts" -}}
@@ -214,6 +225,9 @@ decode:
 {{- end }}
 {{- if .Values.grpcTls.enabled }}
 - {name: grpc-tls, mountPath: /etc/pdserve/tls, readOnly: true}
+{{- end }}
+{{- if .Values.kvTls.enabled }}
+- {name: kv-tls, mountPath: /etc/pdserve/kv-tls, readOnly: true}
 {{- end }}
 {{- end -}}
 
