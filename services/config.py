@@ -7,13 +7,14 @@ for pool fields, e.g. ``PDSERVE_MODE=colocated``, ``PDSERVE_DECODE__REPLICAS=2``
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from services.affinity import parse_cpus
 from services.autoscale.planner import PoolTarget
@@ -177,6 +178,11 @@ class ServeConfig(BaseModel):
         description="bearer token the HTTP (/v1/*) and gRPC APIs require (PDSERVE_AUTH_TOKEN); "
         "None = no authentication",
     )
+    api_keys: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description="tenant name -> bearer key (PDSERVE_API_KEYS as JSON); each tenant's "
+        "prefix cache is its own (a per-key salt). auth_token, if set, is tenant 'default'",
+    )
     max_inflight_requests: int = Field(
         1000,
         ge=1,
@@ -319,6 +325,24 @@ class ServeConfig(BaseModel):
     )
     prefill: PoolConfig = PoolConfig(resource="prefill_pool")
     decode: PoolConfig = PoolConfig(resource="decode_pool")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _api_keys_json(cls, v: object) -> object:
+        """PDSERVE_API_KEYS holds the map as JSON; names and keys must be non-empty, keys
+        distinct (one key, one tenant)."""
+        if isinstance(v, str):
+            try:
+                v = json.loads(v) if v.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"api_keys: not a JSON object of name -> key: {e}") from None
+        if isinstance(v, dict):
+            keys = [x.get_secret_value() if isinstance(x, SecretStr) else x for x in v.values()]
+            if any(not n or not isinstance(n, str) for n in v) or any(not k for k in keys):
+                raise ValueError("api_keys: every tenant name and key must be non-empty")
+            if len(set(keys)) != len(keys):
+                raise ValueError("api_keys: two tenants share a key")
+        return v
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServeConfig:

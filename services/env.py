@@ -33,6 +33,12 @@ AUTH_TOKEN = EnvVar(
     "the bearer token the APIs require (read by the config loader as the auth_token field) "
     "and the one `pdserve client` sends",
 )
+API_KEYS = EnvVar(
+    "PDSERVE_API_KEYS",
+    "",
+    'tenant name -> bearer key as JSON ({"team-a": "...", ...}; read by the config loader as '
+    "the api_keys field): each tenant's prefix cache is its own",
+)
 TARGET = EnvVar("PDSERVE_TARGET", "127.0.0.1:50051", "`pdserve client`: the gRPC API to call")
 
-REGISTRY: tuple[EnvVar, ...] = (CACHE_DIR, GPU, BENCH, AUTH_TOKEN, TARGET)
+REGISTRY: tuple[EnvVar, ...] = (CACHE_DIR, GPU, BENCH, AUTH_TOKEN, API_KEYS, TARGET)

@@ -38,7 +38,7 @@ from services.engine.loader import read_model_config, resolve_model
 from services.engine.sampling_params import SamplingParams, check_prompt
 from services.engine.tokenizer import Tokenizer
 from services.gateway.admission import Admission, OverloadedError
-from services.gateway.auth import TokenCheck
+from services.gateway.auth import TokenCheck, tenant_salt
 from services.gateway.readiness import Readiness
 from services.pd_flow import (
     GenerateSpec,
@@ -265,7 +265,7 @@ class Gateway:
         self.admission = Admission(
             cfg.max_inflight_requests, cfg.retry_after_s, self.metrics.registry
         )
-        self.auth = TokenCheck(cfg.auth_token)
+        self.auth = TokenCheck(cfg.auth_token, cfg.api_keys)
         self.readiness = Readiness(["decode"] if prefill is None else ["prefill", "decode"])
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -307,8 +307,11 @@ class Gateway:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def spec(self, prompt_ids: list[int], params: SamplingParams) -> GenerateSpec:
+    def spec(self, prompt_ids: list[int], params: SamplingParams, tenant: str = "") -> GenerateSpec:
+        """``tenant``: whose key the caller presented (its prefix cache is its own)."""
         check_prompt(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
+        if tenant:
+            params = replace(params, cache_salt=tenant_salt(tenant, params.cache_salt))
         if params.seed is None:
             # NOTE: a seed chosen here makes the prefill, decode and any re-prefill replica all
             # sample the same continuation.

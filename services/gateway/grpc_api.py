@@ -89,7 +89,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise InvalidRequestError("prompt", "set one of text, chat or token_ids")
             params = sampling_params(request.sampling)
             _check_resume(request, params)
-            spec = gw.spec(ids, params)
+            auth = dict(context.invocation_metadata() or ()).get("authorization")
+            # NOTE: the interceptor refused unknown keys; this names the tenant of a known one
+            spec = gw.spec(
+                ids, params, gw.auth.tenant(auth if isinstance(auth, str) else None) or ""
+            )
         except Exception as e:
             await _abort(context, e)
         timing = Timing()

@@ -82,10 +82,12 @@ def build_http_app(gw: Gateway) -> FastAPI:
             path, root = request.scope["path"], request.scope.get("root_path", "")
             if root and path.startswith(root):  # Serve mounts the app under its route prefix
                 path = path[len(root) :]
-            if path not in open_paths and not gw.auth.ok(request.headers.get("authorization")):
+            tenant = gw.auth.tenant(request.headers.get("authorization"))
+            if path not in open_paths and tenant is None:
                 r = error_body(401, "a valid bearer token is required (Authorization header)")
                 r.headers["WWW-Authenticate"] = "Bearer"
                 return r
+            request.state.tenant = tenant or ""
         return await call_next(request)
 
     @app.exception_handler(InvalidRequestError)
@@ -174,7 +176,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
         assert isinstance(req, CompletionRequest)
         gw.check_model(req.model)
         ids = await gw.tokenized(gw.prompt_ids, req.prompt)
-        spec = gw.spec(ids, req.sampling_params(16, bool(req.logprobs)))
+        spec = gw.spec(ids, req.sampling_params(16, bool(req.logprobs)), _tenant(request))
         return await respond(spec, req.stream, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -184,7 +186,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
         gw.check_model(req.model)
         ids = await gw.tokenized(gw.chat_ids, [m.model_dump() for m in req.messages])
         default = req.max_completion_tokens or max(1, gw.max_model_len - len(ids))
-        spec = gw.spec(ids, req.sampling_params(default, req.logprobs))
+        spec = gw.spec(ids, req.sampling_params(default, req.logprobs), _tenant(request))
         return await respond(spec, req.stream, chat=True)
 
     async def respond(spec, stream: bool, chat: bool):  # type: ignore[no-untyped-def]
@@ -305,3 +307,8 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def _tenant(request: Request) -> str:
+    """Whose key the auth middleware found ("": no keys configured)."""
+    return getattr(request.state, "tenant", "")

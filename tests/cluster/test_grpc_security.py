@@ -24,6 +24,7 @@ TOKEN = "correct-horse-battery-staple"
 GOOD = (("authorization", f"Bearer {TOKEN}"),)
 BAD = (("authorization", "Bearer guess"),)
 HTTP_AUTH = {"Authorization": f"Bearer {TOKEN}"}
+KEY_B = "team-b-key-0042"
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def secure(ray_serve, tmp_path_factory):
         "grpc_tls_cert": str(cert),
         "grpc_tls_key": str(key),
         "auth_token": TOKEN,
+        "api_keys": {"team-b": KEY_B},
         "max_inflight_requests": 1,
         "retry_after_s": 1.5,
         "decode": {"num_kv_blocks": 256},
@@ -138,3 +140,25 @@ def test_overload_is_refused_with_a_retry_hint_and_the_running_request_goes_on(s
     assert refused and float(refused[0].split()[-1]) >= 2
     (info,) = replica_stats(APP, "decode", 1).values()
     assert info.stats.num_running == 0
+
+
+def test_each_tenant_has_its_own_prefix_cache(secure):
+    """Two keys, two tenants: a tenant's repeated prompt hits its own cache; the same prompt
+    under the other key computes from scratch and reports no cached tokens, whatever
+    cache_salt it sends."""
+    url = f"{BASE}{PREFIX}/v1/completions"
+    prompt = " ".join(f"item {i}," for i in range(40))  # several full KV blocks
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def cached(key: str, **extra: object) -> int:
+        r = httpx.post(
+            url, json=body | extra, headers={"Authorization": f"Bearer {key}"}, timeout=120
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(TOKEN)
+    assert cached(TOKEN) > 0  # the same tenant reuses its prefix
+    assert cached(KEY_B) == 0  # the other tenant learns nothing
+    assert cached(KEY_B, cache_salt="anything") == 0
+    assert cached(KEY_B) > 0  # and then has its own copy
