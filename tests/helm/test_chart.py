@@ -379,3 +379,15 @@ def test_kv_mutual_tls_mounts_its_secret_and_reaches_the_serve_config():
     cfg = load_config(overrides=args, environ={})  # the launcher's own loader accepts it
     assert cfg.kv_tls_server_name == "pdserve-kv"
     assert "kv_tls_cert" not in serve_args(render(None))
+
+
+def test_tenant_keys_reach_the_head_only():
+    docs = render(None, 'auth.apiKeysSecret="pdserve-tenants"')
+    for group_name, g in groups(docs).items():
+        (c,) = g["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in c["env"]}
+        if group_name == "head":
+            ref = env["PDSERVE_API_KEYS"]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": "pdserve-tenants", "key": "api_keys"}
+        else:
+            assert "PDSERVE_API_KEYS" not in env

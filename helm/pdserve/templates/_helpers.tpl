@@ -177,6 +177,13 @@ decode:
      config without it), so worker pods never see it. */}}
 {{- define "pdserve.headEnv" -}}
 {{ include "pdserve.env" . }}
+{{- with .Values.auth.apiKeysSecret }}
+- name: PDSERVE_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: api_keys
+{{- end }}
 {{- if .Values.auth.enabled }}
 - name: PDSERVE_AUTH_TOKEN
   valueFrom:
