@@ -13,7 +13,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from services.config import PoolConfig, ServeConfig, load_config
+from services.config import PoolConfig, ServeConfig, load_config, secrets_from, secrets_in_env
 from services.decode.server import DecodeServer
 from services.gateway.gateway import Gateway
 from services.gateway.http_api import build_http_app
@@ -71,6 +71,21 @@ def _replicas(pool: PoolConfig, metric: str) -> dict[str, Any]:
 
 
 class _GatewayIngress(Gateway):
+    """``secrets_from_env``: the API keys are not in the bound ``cfg`` (Ray keeps bound
+    arguments in its state); this process reads them from the environment it inherits."""
+
+    def __init__(
+        self,
+        prefill: Any,
+        decode: Any,
+        cfg: ServeConfig,
+        index_handle: Any = None,
+        secrets_from_env: bool = False,
+    ) -> None:
+        if secrets_from_env:
+            cfg = cfg.model_copy(update=secrets_from(os.environ))
+        super().__init__(prefill, decode, cfg, index_handle)
+
     def __serve_build_asgi_app__(self):  # type: ignore[no-untyped-def]
         return build_http_app(self)
 
@@ -88,7 +103,7 @@ def build_app(cfg: ServeConfig):  # -> serve Application
     )
     # NOTE: engine replicas never check the API token: their config (pickled into Ray's state
     # with each replica's arguments) does not carry it; only the gateway's does
-    engine_cfg = cfg.model_copy(update={"auth_token": None})
+    engine_cfg = cfg.model_copy(update={"auth_token": None, "api_keys": {}})
     decode_role = "both" if cfg.mode == "colocated" else "decode"
     decode = serve.deployment(
         DecodeServer,
@@ -125,7 +140,11 @@ def build_app(cfg: ServeConfig):  # -> serve Application
         max_ongoing_requests=cfg.max_inflight_requests + 64,
         **_shutdown_options(cfg),
     )
-    return gateway.bind(prefill, decode, cfg, index)
+    # NOTE: the API keys stay out of Ray's state when the gateway's process can read them from
+    # the environment it inherits (the chart's head pod, a local `pdserve serve`)
+    from_env = secrets_in_env(cfg, os.environ) and (cfg.auth_token or cfg.api_keys)
+    gw_cfg = cfg.model_copy(update={"auth_token": None, "api_keys": {}}) if from_env else cfg
+    return gateway.bind(prefill, decode, gw_cfg, index, bool(from_env))
 
 
 def app_from_env(args: dict[str, Any]):  # -> serve Application

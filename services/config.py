@@ -379,6 +379,34 @@ class ServeConfig(BaseModel):
         )
 
 
+SECRET_FIELDS = ("auth_token", "api_keys")
+
+
+def secrets_from(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The API keys the environment holds, validated as the loader does."""
+    env = {k: v for k, v in _env_overrides(environ).items() if k in SECRET_FIELDS}
+    cfg = ServeConfig.model_validate(env)
+    return {k: getattr(cfg, k) for k in SECRET_FIELDS}
+
+
+def secrets_in_env(cfg: ServeConfig, environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` alone gives ``cfg``'s API keys (so a process that inherits it reads
+    them there, and they need not be pickled into Ray's state with its arguments)."""
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, SecretStr):
+            return x.get_secret_value()
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    try:
+        env = secrets_from(environ)
+    except ValueError:
+        return False
+    return all(plain(env[k]) == plain(getattr(cfg, k)) for k in SECRET_FIELDS)
+
+
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     fields = ServeConfig.model_fields

@@ -174,3 +174,28 @@ def test_engine_replicas_are_bound_without_the_api_token():
     for pool in (prefill, decode):
         (pool_cfg, *_) = pool._bound_deployment.init_args
         assert pool_cfg.auth_token is None and pool_cfg.model == cfg.model
+
+
+def test_the_gateway_reads_api_keys_from_its_environment_when_it_can(monkeypatch):
+    """Keys given through the environment (the chart, a local serve) stay out of the gateway's
+    bound arguments (Ray's state): the gateway's process reads them from the environment it
+    inherits. Keys given any other way are bound as before."""
+    from services.app import build_app
+    from services.config import secrets_from, secrets_in_env
+
+    env = {"PDSERVE_AUTH_TOKEN": "tok-123", "PDSERVE_API_KEYS": '{"b": "key-b"}'}
+    monkeypatch.setattr("os.environ", {**env})
+    cfg = load_config(overrides={"routing": "least_loaded"})
+    assert secrets_in_env(cfg, env)
+    gateway = build_app(cfg)._bound_deployment
+    gw_cfg, from_env = gateway.init_args[2], gateway.init_args[4]
+    assert from_env and gw_cfg.auth_token is None and gw_cfg.api_keys == {}
+    got = secrets_from(env)
+    assert got["auth_token"].get_secret_value() == "tok-123"
+    assert got["api_keys"]["b"].get_secret_value() == "key-b"
+    # a token from the config file or flags (not in the environment) is bound as before
+    monkeypatch.setattr("os.environ", {})
+    flagged = load_config(overrides={"auth_token": "tok-9", "routing": "least_loaded"}, environ={})
+    assert not secrets_in_env(flagged, {})
+    bound = build_app(flagged)._bound_deployment.init_args
+    assert bound[2].auth_token.get_secret_value() == "tok-9" and bound[4] is False

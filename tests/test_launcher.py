@@ -19,7 +19,11 @@ from tests.fixtures import eventually, free_port, wait_until_ok
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
-def _serve(tmp_path, port: int) -> tuple[subprocess.Popen, object]:
+TOKEN = "launcher-token-7"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _serve(tmp_path, port: int, **env: str) -> tuple[subprocess.Popen, object]:
     log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115 - outlives the Popen call
     proc = subprocess.Popen(
         [
@@ -38,7 +42,7 @@ def _serve(tmp_path, port: int) -> tuple[subprocess.Popen, object]:
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )
     return proc, log
 
@@ -57,17 +61,23 @@ def _stop(proc: subprocess.Popen, log) -> None:  # type: ignore[no-untyped-def]
 def test_serve_gets_ready_drains_on_sigterm_and_exits_promptly(tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc, log = _serve(tmp_path, port)
+    # NOTE: the token through the environment, as the chart gives it: the gateway reads it from
+    # the environment its process inherits (it is not in its bound arguments)
+    proc, log = _serve(tmp_path, port, PDSERVE_AUTH_TOKEN=TOKEN)
     try:
         wait_until_ok(f"{base}/health", 240, proc)  # liveness: the gateway answers
         wait_until_ok(f"{base}/ready", 240, proc)  # readiness: every pool has a replica
         body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "ignore_eos": True}
         r = httpx.post(f"{base}/v1/completions", timeout=300, json={**body, "max_tokens": 4})
+        assert r.status_code == 401  # the token is enforced
+        r = httpx.post(
+            f"{base}/v1/completions", timeout=300, json={**body, "max_tokens": 4}, headers=AUTH
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         # a long streamed request is in flight when SIGTERM comes: it still gets every token
         with httpx.stream(
             "POST", f"{base}/v1/completions", timeout=300,
-            json={**body, "max_tokens": 64, "stream": True},
+            json={**body, "max_tokens": 64, "stream": True}, headers=AUTH,
         ) as stream:  # fmt: skip
             lines = stream.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
@@ -78,7 +88,7 @@ def test_serve_gets_ready_drains_on_sigterm_and_exits_promptly(tmp_path):
                 30, "/ready fails once draining",
             )  # fmt: skip
             refused = httpx.post(
-                f"{base}/v1/completions", timeout=60, json={**body, "max_tokens": 2}
+                f"{base}/v1/completions", timeout=60, json={**body, "max_tokens": 2}, headers=AUTH
             )
             rest = [line for line in lines if line.startswith("data: ")]
         events = [json.loads(x[6:]) for x in [first, *rest] if x != "data: [DONE]"]
