@@ -11,6 +11,7 @@ Sub-commands:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import uuid
@@ -107,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from services.config import load_config
-    from services.launcher import serve_forever
+    from services.launcher import local_ray_auth, serve_forever
 
     flat = {
         k: getattr(args, k)
@@ -138,6 +139,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"pdserve: invalid configuration:\n{e}", file=sys.stderr)
         return 2
+    if not cfg.ray_address:
+        # NOTE: before ray is imported (serve_forever imports it): Ray reads the mode then
+        assert "ray" not in sys.modules, "ray was imported before its auth mode was set"
+        local_ray_auth(os.environ)
     return serve_forever(cfg)
 
 

@@ -11,9 +11,11 @@ Kubernetes' default 30 s grace period.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import sys
 import threading
+from collections.abc import MutableMapping
 
 from services.affinity import format_cpus, split_cores
 from services.config import ServeConfig
@@ -44,6 +46,17 @@ def for_one_host(cfg: ServeConfig) -> ServeConfig:
     if cfg.kv_host == "auto":
         cfg = cfg.model_copy(update={"kv_host": "127.0.0.1"})
     return cfg
+
+
+def local_ray_auth(environ: MutableMapping[str, str]) -> None:
+    """Ray's token authentication for the one-host cluster the launcher starts: its GCS and
+    raylet listen on every interface, and without a token any process that reaches them may
+    run code. A fresh random token per start (the launcher's Ray processes inherit it), unless
+    the operator set RAY_AUTH_MODE / RAY_AUTH_TOKEN. NOTE: Ray reads the mode when it is
+    imported: call this before anything imports ray (``pdserve serve`` does)."""
+    if environ.get("RAY_AUTH_MODE", "token") == "token":
+        environ["RAY_AUTH_MODE"] = "token"
+        environ.setdefault("RAY_AUTH_TOKEN", secrets.token_urlsafe(32))
 
 
 def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int:

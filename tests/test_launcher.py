@@ -124,3 +124,20 @@ def test_a_one_host_serve_binds_kv_servers_to_loopback():
     assert for_one_host(cfg).kv_host == "127.0.0.1"
     given = load_config(overrides={"kv_host": "10.1.2.3"}, environ={})
     assert for_one_host(given).kv_host == "10.1.2.3"
+
+
+def test_a_local_ray_cluster_gets_a_fresh_token_unless_one_is_set():
+    from services.launcher import local_ray_auth
+
+    a: dict[str, str] = {}
+    b: dict[str, str] = {}
+    local_ray_auth(a)
+    local_ray_auth(b)
+    assert a["RAY_AUTH_MODE"] == "token" and len(a["RAY_AUTH_TOKEN"]) >= 32
+    assert a["RAY_AUTH_TOKEN"] != b["RAY_AUTH_TOKEN"]
+    given = {"RAY_AUTH_TOKEN": "mine"}
+    local_ray_auth(given)
+    assert given == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "mine"}
+    off = {"RAY_AUTH_MODE": "disabled"}
+    local_ray_auth(off)
+    assert off == {"RAY_AUTH_MODE": "disabled"}  # the operator's choice stands
