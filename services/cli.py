@@ -140,9 +140,15 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pdserve: invalid configuration:\n{e}", file=sys.stderr)
         return 2
     if not cfg.ray_address:
-        # NOTE: before ray is imported (serve_forever imports it): Ray reads the mode then
-        assert "ray" not in sys.modules, "ray was imported before its auth mode was set"
-        local_ray_auth(os.environ)
+        # NOTE: only before ray is imported (serve_forever imports it): Ray reads the mode
+        # then, and a driver and GCS that disagree cannot talk (an embedding caller that
+        # imported ray already keeps its own settings)
+        if "ray" in sys.modules:
+            print(
+                "pdserve: ray is already imported; Ray token auth is left as it is", file=sys.stderr
+            )
+        else:
+            local_ray_auth(os.environ)
     return serve_forever(cfg)
 
 
