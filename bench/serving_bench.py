@@ -42,6 +42,7 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int], n: int) ->
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},  # the usage event the bench reads
     }
     t0 = time.perf_counter()
     stamps: list[float] = []

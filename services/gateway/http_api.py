@@ -177,7 +177,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
         gw.check_model(req.model)
         ids = await gw.tokenized(gw.prompt_ids, req.prompt)
         spec = gw.spec(ids, req.sampling_params(16, bool(req.logprobs)), _tenant(request))
-        return await respond(spec, req.stream, chat=False)
+        return await respond(spec, req.stream, chat=False, usage_event=req.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):  # type: ignore[no-untyped-def]
@@ -187,9 +187,9 @@ def build_http_app(gw: Gateway) -> FastAPI:
         ids = await gw.tokenized(gw.chat_ids, [m.model_dump() for m in req.messages])
         default = req.max_completion_tokens or max(1, gw.max_model_len - len(ids))
         spec = gw.spec(ids, req.sampling_params(default, req.logprobs), _tenant(request))
-        return await respond(spec, req.stream, chat=True)
+        return await respond(spec, req.stream, chat=True, usage_event=req.include_usage)
 
-    async def respond(spec, stream: bool, chat: bool):  # type: ignore[no-untyped-def]
+    async def respond(spec, stream: bool, chat: bool, usage_event: bool = False):  # type: ignore[no-untyped-def]
         timing = Timing()
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
@@ -226,10 +226,15 @@ def build_http_app(gw: Gateway) -> FastAPI:
         it = chunks.__aiter__()
         first = await it.__anext__()
         return SourceClosingResponse(
-            sse(spec, rid, created, chat, first, it, timing), it, media_type="text/event-stream"
+            sse(spec, rid, created, chat, first, it, timing, usage_event),
+            it,
+            media_type="text/event-stream",
         )
 
-    async def sse(spec, rid, created, chat, first, it, timing) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+    async def sse(spec, rid, created, chat, first, it, timing, usage_event) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+        """Content events (every one with a choice, so clients may read ``choices[0]``), then,
+        only when the client asked (``stream_options.include_usage``, as OpenAI), one event
+        with ``usage`` and ``pdserve_timing`` and empty ``choices``; then ``[DONE]``."""
         n_out = 0
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -266,16 +271,17 @@ def build_http_app(gw: Gateway) -> FastAPI:
                     c = await it.__anext__()
                 except StopAsyncIteration:
                     break
-            tail = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": gw.model_id,
-                "choices": [],
-                "usage": usage(len(spec.prompt_ids), n_out, timing.num_cached_tokens),
-                "pdserve_timing": timing.as_dict(),
-            }
-            yield "data: " + json.dumps(tail) + "\n\n"
+            if usage_event:
+                tail = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": gw.model_id,
+                    "choices": [],
+                    "usage": usage(len(spec.prompt_ids), n_out, timing.num_cached_tokens),
+                    "pdserve_timing": timing.as_dict(),
+                }
+                yield "data: " + json.dumps(tail) + "\n\n"
             yield "data: [DONE]\n\n"
             gw.metrics.observe(timing)
             gw.metrics.requests.labels("ok").inc()

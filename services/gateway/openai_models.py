@@ -11,6 +11,15 @@ from services.engine.errors import InvalidRequestError
 from services.engine.sampling_params import SamplingParams
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = Field(
+        False,
+        description="a last event with `usage` (and `pdserve_timing`) and empty `choices`",
+    )
+
+
 class _Sampling(BaseModel):
     # NOTE: unknown fields are ignored (clients send many optional ones), but known fields are
     # strictly typed: a wrong type is a 400 naming the field.
@@ -26,6 +35,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = Field(None, description="extension")
     ignore_eos: bool = Field(False, description="extension")
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(1, description="only 1 is supported")
     cache_salt: str | None = Field(
         None,
@@ -33,7 +43,13 @@ class _Sampling(BaseModel):
         "(and cached_tokens says nothing across them); one per tenant",
     )
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
     def sampling_params(self, default_max_tokens: int, logprobs: bool) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options", "only allowed when stream is true")
         if self.n != 1:
             raise InvalidRequestError("n", "only n=1 is supported")
         return SamplingParams.create(

@@ -179,8 +179,21 @@ def test_openai_client_streams_chat(cluster):
         temperature=0,
         stream=True,
     )
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    # NOTE: every event carries a choice unless the client asked for the usage event
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
     assert "Paris" in text
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    events = list(stream)
+    assert all(e.choices and e.usage is None for e in events[:-1])
+    streamed = sum(len(e.choices[0].model_extra["token_ids"]) for e in events[:-1])
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == streamed > 0
     assert [m.id for m in client.models.list()] == [MODEL]
     assert "pdserve_ttft_seconds_count" in httpx.get(f"{BASE}/metrics").text
 
@@ -198,6 +211,8 @@ def test_openai_client_streams_chat(cluster):
         ({"prompt": "hi", "stop": 5}, 400, "stop"),
         ({"prompt": "hi", "temperature": 1e-38}, 400, "temperature"),
         ({"prompt": "hi", "stop": ["x"] * 40_000}, 400, "stop"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"prompt": "hi", "stream": True, "stream_options": {"x": 1}}, 400, "stream_options.x"),
     ],
 )
 def test_bad_input_gets_status_and_body_while_others_stream(cluster, body, status, param):
