@@ -63,10 +63,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="per-step token budget")
 
 
+def pdserve_version() -> str:
+    """The installed distribution's version (pyproject.toml)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving"
     )
+    parser.add_argument("--version", action="version", version=f"pdserve {pdserve_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from one prompt in this process (no Ray)")
     src = gen.add_mutually_exclusive_group(required=True)

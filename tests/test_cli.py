@@ -39,3 +39,11 @@ def test_bad_arguments_exit_2_naming_the_field(args, message):
 def test_missing_model_exits_1():
     r = _pdserve("generate", "--prompt", "hi", "--model", "/nonexistent/x.gguf")
     assert r.returncode == 1 and "does not exist" in r.stderr
+
+
+def test_version_flag(capsys):
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == "pdserve 0.1.0"

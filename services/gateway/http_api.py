@@ -155,6 +155,12 @@ def build_http_app(gw: Gateway) -> FastAPI:
             generate_latest(gw.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
         )
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from services.cli import pdserve_version
+
+        return {"version": pdserve_version()}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {

@@ -195,6 +195,7 @@ def test_openai_client_streams_chat(cluster):
     streamed = sum(len(e.choices[0].model_extra["token_ids"]) for e in events[:-1])
     assert events[-1].choices == [] and events[-1].usage.completion_tokens == streamed > 0
     assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{BASE}/version", timeout=30).json() == {"version": "0.1.0"}
     assert "pdserve_ttft_seconds_count" in httpx.get(f"{BASE}/metrics").text
 
 
