@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.base import PermissionDeniedError, StreamBusyError, check_layout
+from kvtransfer.base import PermissionDeniedError, check_layout
 from kvtransfer.stream import KVStream, StreamBuffer
 from services.engine.errors import UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
@@ -97,7 +97,6 @@ class Entry:
         self.pinned: PinnedKV | None = None  # set while HELD
         self.handle: KVHandle | None = None  # the final handle without block data (HELD)
         self.deadline = 0.0  # the lease's end (outbox clock), once HELD
-        self.attached_early: bool | None = None
 
     # ---- the engine's hooks ---------------------------------------------------------------
     @property
@@ -185,12 +184,6 @@ class Outbox:
             self._free(e, "its lease expired")
         return len(due)
 
-    def next_expiry(self) -> float | None:
-        """The earliest lease end (outbox clock) among HELD entries; None if none."""
-        with self._lock:
-            ends = [e.deadline for e in self._entries.values() if e.state is Handoff.HELD]
-        return min(ends, default=None)
-
     def close(self) -> None:
         """Free everything (the replica is going away): held KV is released, the rest failed."""
         with self._lock:
@@ -212,14 +205,10 @@ class Outbox:
                 raise UnknownRequestError(f"no KV stream open for request {request_id!r}")
             self._authorize(e, secret)
             check_layout(self.fingerprint, want)
-            if e.attached_early is not None:
-                raise StreamBusyError(f"the KV stream of {request_id!r} has a receiver")
-            early = e.state is Handoff.OPEN
-            e.attached_early = early
-            if early:
+            early = e.stream.attach()  # raises StreamBusyError for a second receiver
+            if early:  # the prefill still runs: the stream is not finished, so OPEN
                 self._move(e, Handoff.STREAMING)
             self.attached["early" if early else "late"] += 1
-            e.stream.attach()
             return e.stream
 
     def release(self, request_id: str, secret: str) -> None:

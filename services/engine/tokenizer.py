@@ -104,10 +104,7 @@ class Tokenizer:
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._compiled_template: Any = None
         self._trims: bool | None = None  # whether the template strips message content
-        # NOTE: a second tokenizer that reads special-token text as plain text (for message
-        # content); a flag on one instance would race between the gateway's worker threads
-        self._as_text = HFTokenizer.from_str(tok.to_str())
-        self._as_text.encode_special_tokens = True
+        self._as_text_tok: HFTokenizer | None = None
 
     @classmethod
     def from_folder(cls, folder: Path) -> Tokenizer:
@@ -157,6 +154,16 @@ class Tokenizer:
             eos_token=self.eos_token or "",
         )
 
+    def _as_text(self) -> HFTokenizer:
+        """A second tokenizer that reads special-token text as plain text (message content),
+        made on first use: only the gateway encodes chats. NOTE: a flag on the one instance
+        would race between the gateway's worker threads."""
+        if self._as_text_tok is None:
+            tok = HFTokenizer.from_str(self._tok.to_str())
+            tok.encode_special_tokens = True
+            self._as_text_tok = tok
+        return self._as_text_tok
+
     def _template_trims(self) -> bool:
         if self._trims is None:
             self._trims = _trims(self)
@@ -194,7 +201,7 @@ class Tokenizer:
             content = str(msgs[i].get("content", ""))
             if self._template_trims():
                 content = content.strip()
-            ids += self._as_text.encode(content, add_special_tokens=False).ids if content else []
+            ids += self._as_text().encode(content, add_special_tokens=False).ids if content else []
         if text:
             ids += self._tok.encode(text, add_special_tokens=False).ids
         return ids

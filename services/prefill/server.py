@@ -92,14 +92,6 @@ class PrefillServer(EngineReplica):
             # error, the caller went away) the receiver learns at once
             self.outbox.cancel(spec.request_id, "the prefill call ended early")
 
-    async def prefill(self, spec: GenerateSpec, route: RouteHint | None = None) -> PrefillResult:
-        """``handoff`` for a whole pull, as one call."""
-        result = None
-        async for item in self.handoff(spec, layerwise=False):
-            result = item
-        assert isinstance(result, PrefillResult)
-        return result
-
     async def _prefill(self, spec: GenerateSpec, entry: Entry, ref: KVRef) -> PrefillResult:
         out: RequestOutput | None = None
         async for o in self.engine.generate(

@@ -172,25 +172,21 @@ def test_openai_client_streams_chat(cluster):
     import openai
 
     client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused")
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=12,
-        temperature=0,
-        stream=True,
-    )
+
+    def ask(**extra):  # type: ignore[no-untyped-def]
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            **extra,
+        )
+
     # NOTE: every event carries a choice unless the client asked for the usage event
-    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    text = "".join(c.choices[0].delta.content or "" for c in ask())
     assert "Paris" in text
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=12,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    events = list(stream)
+    events = list(ask(stream_options={"include_usage": True}))
     assert all(e.choices and e.usage is None for e in events[:-1])
     streamed = sum(len(e.choices[0].model_extra["token_ids"]) for e in events[:-1])
     assert events[-1].choices == [] and events[-1].usage.completion_tokens == streamed > 0
