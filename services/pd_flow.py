@@ -69,7 +69,7 @@ def prefill_on_decode(
 @dataclass(frozen=True, slots=True)
 class RouteHint:
     """What the gateway tells the request router about a call (the ``route`` keyword of
-    ``prefill`` / ``generate``; see ``services.router``). Replicas ignore it."""
+    ``handoff`` / ``generate``; see ``services.router``). Replicas ignore it."""
 
     prompt_tokens: int
     # index replica id -> prompt tokens that replica holds in its prefix cache
