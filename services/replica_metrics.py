@@ -84,7 +84,6 @@ class ReplicaMetrics:
         self.percentile = percentile
         self.busy_window_s = busy_window_s
         self._busy: deque[tuple[float, float]] = deque()  # (monotonic time, engine busy_s)
-        self.transfer_failures: dict[str, int] = {}
         self.self_test: Any = None
         self.ttft = LatencyWindow(window_s)
         self.itl = LatencyWindow(window_s)
@@ -130,7 +129,6 @@ class ReplicaMetrics:
             self._ray.transport_gbps.set(result.gbps, tags={"transport": result.transport})
 
     def observe_transfer_failure(self, reason: str) -> None:
-        self.transfer_failures[reason] = self.transfer_failures.get(reason, 0) + 1
         if self._ray is not None:
             self._ray.failures.inc(tags={"reason": reason})
 

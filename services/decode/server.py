@@ -124,7 +124,7 @@ class DecodeServer(EngineReplica):
 
     def kv_transfer_failures(self) -> dict[str, int]:
         """Failed pulls by reason (operators, tests)."""
-        return dict(self.metrics.transfer_failures)
+        return dict(self.inbox.failures)  # NOTE: the Inbox counts; Ray's counter follows
 
     def set_fail_next_pulls(self, n: int) -> None:
         """Test hook: the next ``n`` receives fail as a lost transfer would."""
