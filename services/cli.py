@@ -31,7 +31,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 on GPUs and CPUs with native bf16, else float32",
+        help="auto: bfloat16 on GPUs; on CPUs float32 activations and KV, with bf16 matrix "
+        "products where the CPU has native bf16 (AMX / AVX512-BF16)",
     )
     g.add_argument(
         "--quantization",

@@ -131,7 +131,9 @@ class ServeConfig(BaseModel):
     )
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto = bfloat16 on GPUs and CPUs with native bf16, else float32"
+        "auto",
+        description="auto = bfloat16 on GPUs; on CPUs float32 activations and KV, with bf16 "
+        "matrix products where the CPU has native bf16 (AMX / AVX512-BF16)",
     )
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",

@@ -106,7 +106,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
 @pytest.fixture
 def make_engine(tiny_model_dir: Callable[[str], Path]) -> Iterator[Callable[..., Engine]]:
     """Build engines on tiny models; at teardown every engine must be idle with exact accounting.
-    fp32 unless a test names its dtype (``auto`` is bf16 on hosts with native bf16)."""
+    fp32 unless a test names its dtype (``auto``: bf16 matrix products where the CPU has native
+    bf16, ``services.engine.precision``)."""
     engines: list[Engine] = []
 
     def make(model: str = "llama-gqa-tied", **cfg: Any) -> Engine:

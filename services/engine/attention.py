@@ -144,7 +144,14 @@ class TorchAttention:
     Prefill uses ``F.scaled_dot_product_attention``; decode uses a grouped matmul (the
     ``heads / kv_heads`` query heads sharing a KV head form the query rows), which avoids
     both repeating KV heads and the flash kernel's poor single-query performance.
+
+    ``prompt_dtype``: prefill attention casts queries, keys and values to it and its output
+    back (bf16 under fp32 activations on a CPU with native bf16: SDPA's flash kernel runs 2.2x
+    faster there); None computes in the cache's dtype.
     """
+
+    def __init__(self, prompt_dtype: torch.dtype | None = None) -> None:
+        self.prompt_dtype = prompt_dtype
 
     def prepare(self, meta: AttentionMetadata) -> None:
         bs, window = meta.block_size, meta.sliding_window
@@ -197,11 +204,13 @@ class TorchAttention:
             # quadratic-memory math path, 5x slower at 2k tokens).
             qs = q[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
             k, v = cache.gather(layer, p.slots)  # [kv_heads, ctx, head_dim]
+            if self.prompt_dtype is not None:
+                qs, k, v = (t.to(self.prompt_dtype) for t in (qs, k, v))
             o = F.scaled_dot_product_attention(
                 qs, k.unsqueeze(0), v.unsqueeze(0), attn_mask=p.mask, is_causal=p.mask is None,
                 enable_gqa=True,
             )  # fmt: skip
-            out[p.q_start : p.q_end] = o[0].transpose(0, 1)
+            out[p.q_start : p.q_end] = o[0].transpose(0, 1)  # (cast back to out's dtype)
         return out
 
     @staticmethod

@@ -29,23 +29,25 @@ class Backend:
     int8_kv: bool = True
 
 
-def _load_torch() -> Backend:
-    return Backend("torch", TorchAttention(), TorchOps(), graph_safe=False)
+def _load_torch(prompt_dtype: torch.dtype | None) -> Backend:
+    return Backend("torch", TorchAttention(prompt_dtype), TorchOps(), graph_safe=False)
 
 
-def _load_cpu() -> Backend:
+def _load_cpu(prompt_dtype: torch.dtype | None) -> Backend:
     from services.engine.cpu_backend import CpuAttention, CpuOps
 
-    return Backend("cpu", CpuAttention(), CpuOps(), graph_safe=False)
+    return Backend("cpu", CpuAttention(prompt_dtype), CpuOps(), graph_safe=False)
 
 
-def _load_triton() -> Backend:
+def _load_triton(prompt_dtype: torch.dtype | None) -> Backend:
+    # NOTE: its prompt attention computes in the model's dtype (bf16 by default on CUDA)
     from services.engine.triton_backend import TritonAttention, TritonOps
 
     return Backend("triton", TritonAttention(), TritonOps(), graph_safe=True, int8_kv=False)
 
 
-BACKENDS: dict[str, Callable[[], Backend]] = {
+# name -> loader(prompt_dtype): the dtype prompt attention computes in (None: the model's)
+BACKENDS: dict[str, Callable[[torch.dtype | None], Backend]] = {
     "torch": _load_torch,
     "cpu": _load_cpu,
     "triton": _load_triton,
@@ -67,9 +69,15 @@ def resolve_backend_name(
 
 
 def get_backend(
-    name: str, device: str = "cpu", dtype: torch.dtype = torch.float32, head_dim: int = 64
+    name: str,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    head_dim: int = 64,
+    prompt_dtype: torch.dtype | None = None,
 ) -> Backend:
-    """Instantiate a backend by name (or ``auto``); the error lists the valid names."""
+    """Instantiate a backend by name (or ``auto``); the error lists the valid names.
+    ``prompt_dtype``: the dtype prompt attention computes in, where it is not ``dtype`` (the
+    matmul dtype under ``dtype: auto`` on a CPU with native bf16)."""
     name = resolve_backend_name(name, device, dtype, head_dim)
     try:
         loader = BACKENDS[name]
@@ -77,4 +85,4 @@ def get_backend(
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}"
         ) from None
-    return loader()
+    return loader(None if prompt_dtype == dtype else prompt_dtype)

@@ -168,7 +168,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     role: Role = "both"
-    dtype: str = "auto"  # see services.engine.precision: bf16 where native, else fp32
+    dtype: str = "auto"  # services.engine.precision: CPU fp32 (+ bf16 matmuls where native)
     device: str = "cpu"
     threads: int = 1
     # "auto": triton on CUDA, torch elsewhere (see services.engine.backend)

@@ -49,9 +49,9 @@ class CpuAttention:
     """Decode kernel for steps made of short spans (decodes, speculative verifications);
     the torch reference (SDPA, fastest for long prompts) for steps with a longer span."""
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_dtype: torch.dtype | None = None) -> None:
         self.lib = _lib()
-        self.reference = TorchAttention()
+        self.reference = TorchAttention(prompt_dtype)
         self._scores = torch.empty(0)
 
     def prepare(self, meta: AttentionMetadata) -> None:

@@ -45,6 +45,7 @@ from services.engine.precision import (
     DTYPES,
     prepare_weights,
     resolve_dtype,
+    resolve_matmul_dtype,
     resolve_quantization,
 )
 from services.engine.request import FinishReason, Request, RequestOutput, Status
@@ -107,6 +108,7 @@ class Engine:
         self, loaded: LoadedModel, tokenizer: Tokenizer | None, config: EngineConfig
     ) -> None:
         self.dtype_name = resolve_dtype(config.dtype, config.device)
+        self.matmul_dtype_name = resolve_matmul_dtype(config.dtype, config.device)
         self.quantization = resolve_quantization(config.quantization, config.device)
         torch.set_num_threads(config.threads)
         self.config = config
@@ -117,17 +119,20 @@ class Engine:
             config.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
-        dtype = DTYPES[self.dtype_name]
+        dtype, matmul_dtype = DTYPES[self.dtype_name], DTYPES[self.matmul_dtype_name]
+        pack = config.prepack_weights and can_prepack(config.device, matmul_dtype)
         self.model = LlamaModel.from_state_dict(
             loaded.config,
             prepare_weights(loaded.state_dict, self.quantization),
             max_positions=self.max_model_len,
             dtype=dtype,
             device=config.device,
-            prepack=config.prepack_weights and can_prepack(config.device, dtype),
+            pack=matmul_dtype if pack else None,
         )
         mc = loaded.config
-        self.backend = get_backend(config.attention_backend, config.device, dtype, mc.head_dim)
+        self.backend = get_backend(
+            config.attention_backend, config.device, dtype, mc.head_dim, matmul_dtype
+        )
         if self.backend.name == "cpu" and not cpu_backend_supports(dtype, mc.head_dim):
             # NOTE: its C kernels read and write fp32 rows: any other dtype corrupts memory
             raise ValueError(

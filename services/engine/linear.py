@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from services.engine.packed_gemm import packed_gemm
 from services.engine.quant import QuantLinear, QuantWeight
 from services.engine.row_roles import RowRoles
 
@@ -31,31 +32,46 @@ class LinearLayer(Protocol):
 
 
 class Linear:
-    """``y = x @ W.T + b`` with the weight laid out for the fastest path at each batch size."""
+    """``y = x @ W.T + b`` with the weight laid out for the fastest path at each batch size.
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, prepack: bool) -> None:
+    ``pack``: the dtype of oneDNN's pre-packed copy (None: no copy). Packed in bf16 under fp32
+    activations (``dtype: auto`` on a CPU with AMX / AVX512-BF16) every call runs the packed
+    GEMM: inputs rounded to bf16, fp32 accumulation, outputs back in the activations' dtype;
+    no fp32 copy of the weight is kept.
+    """
+
+    def __init__(
+        self, w: torch.Tensor, bias: torch.Tensor | None, pack: torch.dtype | None
+    ) -> None:
         # w: [out, in] as in HF checkpoints
-        self.w_t = w.t().contiguous()  # [in, out]
         self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None) if prepack else None
+        self.packed = packed_gemm(w, pack)
+        self.in_features = w.shape[1]
+        # NOTE: a copy in another dtype than the weights' is the only copy: every row packs
+        self.w_t = w.t().contiguous() if self.packed is None or pack == w.dtype else None
+        self._nbytes = w.numel() * (w.element_size() if self.w_t is not None else 2)
+        if bias is not None:
+            self._nbytes += bias.numel() * bias.element_size()
 
     @property
     def nbytes(self) -> int:
-        n = self.w_t.numel() + (self.bias.numel() if self.bias is not None else 0)
-        return n * self.w_t.element_size()
+        return self._nbytes
 
     def __call__(self, x: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
         # NOTE: with roles every row runs the packed GEMM: the plain product rounds rows
         # differently below 4 rows (MKL's matrix-vector path), oneDNN's does not
-        if self.packed is not None and (roles is not None or x.shape[0] >= PACKED_MIN_ROWS):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None and (
+            roles is not None or self.w_t is None or x.shape[0] >= PACKED_MIN_ROWS
+        ):
+            return self.packed(x, self.bias, invariant=roles is not None)
+        assert self.w_t is not None
         return torch.addmm(self.bias, x, self.w_t) if self.bias is not None else x @ self.w_t
 
 
-def make_linear(w: Weight, bias: torch.Tensor | None, prepack: bool) -> LinearLayer:
+def make_linear(w: Weight, bias: torch.Tensor | None, pack: torch.dtype | None) -> LinearLayer:
     if isinstance(w, QuantWeight):
-        return QuantLinear(w, bias, prepack)
-    return Linear(w, bias, prepack)
+        return QuantLinear(w, bias, pack)
+    return Linear(w, bias, pack)
 
 
 def fuse(parts: list[Weight]) -> Weight:

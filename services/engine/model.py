@@ -92,7 +92,7 @@ class LlamaModel:
         max_positions: int,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
-        prepack: bool = False,
+        pack: torch.dtype | None = None,
     ) -> LlamaModel:
         """Build from HF-named weights, dense tensors or ``QuantWeight`` (linears and the
         embedding); raises ModelLoadError naming a missing or misshapen one."""
@@ -115,7 +115,7 @@ class LlamaModel:
             return get(name) if name in sd else None
 
         def linear(names: list[str], shapes: list[tuple[int, int]], bias) -> LinearLayer:
-            return make_linear(fuse([weight(n, s) for n, s in zip(names, shapes)]), bias, prepack)
+            return make_linear(fuse([weight(n, s) for n, s in zip(names, shapes)]), bias, pack)
 
         h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
@@ -159,7 +159,7 @@ class LlamaModel:
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
         head_w = embed if tied else weight("lm_head.weight", (cfg.vocab_size, h))
         # NOTE: its own layout even when tied and dense (speed); a quantized one is shared
-        lm_head = make_linear(head_w, None, prepack)
+        lm_head = make_linear(head_w, None, pack)
         return cls(
             cfg,
             Embedding(embed, dtype),

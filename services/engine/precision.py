@@ -1,9 +1,12 @@
 """What ``dtype: auto`` and ``quantization: auto`` mean on this machine, and the weights that
 follow from them.
 
-- dtype ``auto``: bfloat16 on CUDA; on CPU bfloat16 where the CPU computes it natively
-  (AVX512-BF16 or AMX, which oneDNN's bf16 kernels need to beat fp32), float32 elsewhere
-  (measured on AVX2: bf16 GEMMs 1.5-2x slower than fp32, BENCHMARKS.md).
+- dtype ``auto``: bfloat16 on CUDA. On CPU float32 activations and KV (the format of pdserve's
+  C kernels: fused decode step, attention, quantized linears) with the packed matrix products
+  (prompts, large batches) in bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX: oneDNN's packed bf16 GEMM,
+  5-7x the fp32 GEMM's rate on one AMX core), float32 elsewhere (measured on AVX2: bf16 GEMMs
+  1.5-2x slower than fp32, BENCHMARKS.md). ``float32`` is fp32 everywhere (the reference);
+  ``bfloat16`` is bf16 everywhere (activations and KV too, on the torch attention backend).
 - quantization ``auto``: a GGUF's Q8_0 / Q4_x weights stay quantized on CPU when pdserve's
   kernels build here (they read 4-8x fewer bytes per decode step); float checkpoints stay float;
   on CUDA everything is dequantized (the kernels are CPU kernels).
@@ -40,9 +43,14 @@ def resolve_dtype(name: str, device: str) -> str:
         if name not in DTYPES:
             raise ValueError(f"unknown dtype {name!r}; choose one of: auto, {', '.join(DTYPES)}")
         return name
-    if torch.device(device).type == "cuda":
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def resolve_matmul_dtype(name: str, device: str) -> str:
+    """The dtype of the packed matrix products (prefill, large batches) for ``dtype: name``."""
+    if name == "auto" and torch.device(device).type == "cpu" and cpu_has_native_bf16():
         return "bfloat16"
-    return "bfloat16" if cpu_has_native_bf16() else "float32"
+    return resolve_dtype(name, device)
 
 
 def resolve_quantization(name: str, device: str) -> str:

@@ -9,8 +9,8 @@ Float checkpoints are quantized on load when asked (``quantization: int8 | int4`
 ``QuantLinear`` computes with pdserve's C kernels (``cpu_kernels``) for up to ``KERNEL_ROWS``
 rows: decode and small batches, where a step is bound by reading the weights, so reading 4 or 8
 bits per weight instead of 32 is the gain. Larger batches (prefill) are compute-bound; there it
-uses oneDNN on fp32 weights packed at load when ``prepack`` is on, and otherwise the kernels in
-slices of 8 rows.
+uses oneDNN on a copy packed at load in the matmul dtype (``pack``: fp32, or bf16 where the CPU
+computes it natively), and otherwise the kernels in slices of 8 rows.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from services.engine.cpu_kernels import library
+from services.engine.packed_gemm import packed_gemm
 from services.engine.row_roles import RowRoles, by_role
 
 QK = 32
@@ -154,7 +155,7 @@ def _from_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantWeight:
 class QuantLinear:
     """``y = x @ W.T + b`` over a ``QuantWeight`` (fp32 activations in and out)."""
 
-    def __init__(self, w: QuantWeight, bias: torch.Tensor | None, prepack: bool) -> None:
+    def __init__(self, w: QuantWeight, bias: torch.Tensor | None, pack: torch.dtype | None) -> None:
         lib = library.load()
         if lib is None:
             raise RuntimeError(library.load_error())
@@ -164,9 +165,7 @@ class QuantLinear:
         self.out_features, self.in_features = w.shape
         if self.in_features > MAX_IN_FEATURES:
             raise ValueError(f"input dim {self.in_features} > {MAX_IN_FEATURES} (kernel limit)")
-        self.packed = (
-            torch.ops.mkldnn._reorder_linear_weight(w.dequantize(), None) if prepack else None
-        )
+        self.packed = packed_gemm(w.dequantize(), pack)
 
     @property
     def nbytes(self) -> int:
@@ -175,13 +174,16 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
         """By the number of rows (None), or prompt rows packed and generated rows by the
         kernels (``roles``): see ``services.engine.row_roles``."""
-        packs = self.packed is not None and x.dtype == torch.float32
         if roles is not None:
-            return by_role(x, roles, self._gemm if packs else self._kernels, self._kernels)
-        return self._gemm(x) if packs and x.shape[0] > KERNEL_ROWS else self._kernels(x)
+            prompt = self._invariant_gemm if self.packed is not None else self._kernels
+            return by_role(x, roles, prompt, self._kernels)
+        if self.packed is not None and x.shape[0] > KERNEL_ROWS:
+            return self.packed(x, self.bias, invariant=False)
+        return self._kernels(x)
 
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+    def _invariant_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.packed is not None
+        return self.packed(x, self.bias, invariant=True)
 
     def _kernels(self, x: torch.Tensor) -> torch.Tensor:
         rows, dtype = x.shape[0], x.dtype

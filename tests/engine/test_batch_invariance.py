@@ -14,6 +14,7 @@ import torch
 from kvtransfer.outbox import Outbox
 from services.config import load_config
 from services.engine.engine import Engine, resolve_batch_invariant
+from services.engine.precision import cpu_has_native_bf16
 from services.engine.row_roles import RowRoles, by_role
 from services.engine.sampling_params import SamplingParams
 
@@ -26,8 +27,22 @@ PROMPTS = [
 MANY = 20  # decode steps of more than 16 rows
 
 
-def _engine(invariant: bool, role: str) -> Engine:
-    cfg = load_config(overrides={"batch_invariant": invariant, "dtype": "float32"}, environ={})
+# (batch_invariant, dtype): "auto" on a CPU with native bf16 runs prompt rows through bf16
+# packed GEMMs and bf16 prompt attention (services.engine.precision); elsewhere it is fp32
+MODES = [
+    pytest.param(True, "float32", id="invariant-fp32"),
+    pytest.param(False, "float32", id="by-size-fp32"),
+    pytest.param(
+        True,
+        "auto",
+        id="invariant-bf16-matmuls",
+        marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bf16 on this CPU"),
+    ),
+]
+
+
+def _engine(invariant: bool, role: str, dtype: str = "float32") -> Engine:
+    cfg = load_config(overrides={"batch_invariant": invariant, "dtype": dtype}, environ={})
     return Engine.from_path(None, cfg.engine_config(cfg.prefill, role))  # type: ignore[arg-type]
 
 
@@ -50,9 +65,9 @@ def _prompt_kv(
     return out
 
 
-@pytest.mark.parametrize("invariant", [True, False])
-def test_a_prompt_s_kv_is_the_same_alone_and_in_a_batch_only_when_batch_invariant(invariant):
-    engine = _engine(invariant, "prefill")
+@pytest.mark.parametrize(("invariant", "dtype"), MODES)
+def test_a_prompt_s_kv_is_the_same_alone_and_in_a_batch_only_when_batch_invariant(invariant, dtype):
+    engine = _engine(invariant, "prefill", dtype)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     assert all(len(p) < 16 for p in prompts)  # under one block: no prefix-cache hit between runs
     alone: dict[int, torch.Tensor] = {}
@@ -63,11 +78,11 @@ def test_a_prompt_s_kv_is_the_same_alone_and_in_a_batch_only_when_batch_invarian
     assert all(same) if invariant else not any(same)
 
 
-@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize(("invariant", "dtype"), MODES)
 def test_a_prefix_cache_hit_rounds_the_rest_of_the_prompt_as_a_miss_only_when_batch_invariant(
-    invariant,
+    invariant, dtype
 ):
-    engine = _engine(invariant, "prefill")
+    engine = _engine(invariant, "prefill", dtype)
     base = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
     full = base + engine.tokenizer.encode(" And then")
     assert len(base) >= 32 and len(full) - 32 < 16  # a 2-block hit leaves under 16 rows
@@ -107,11 +122,11 @@ def _generate(
     return out
 
 
-@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize(("invariant", "dtype"), MODES)
 def test_decodes_and_mixed_steps_are_the_same_alone_and_batched_only_when_batch_invariant(
-    invariant,
+    invariant, dtype
 ):
-    engine = _engine(invariant, "both")
+    engine = _engine(invariant, "both", dtype)
     tok = engine.tokenizer
     target = {"t": (tok.encode("Write one line about the sea."), 7)}
     alone = _generate(engine, target)["t"]

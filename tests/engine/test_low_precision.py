@@ -14,12 +14,17 @@ import random
 import pytest
 import torch
 
+from services.engine.precision import cpu_has_native_bf16
 from services.engine.sampling_params import SamplingParams
 from tests.fixtures import prefill_for_handoff
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-MARGIN = {"bfloat16": 0.25, "float16": 0.03}
-LOGPROB_ATOL = {"bfloat16": 0.2, "float16": 0.03}
+# engine dtype -> the HF dtype it is checked against. "auto" on a CPU with native bf16 is fp32
+# activations with bf16 matrix products and prompt attention (services.engine.precision): it
+# is held to HF fp32 with bf16's tolerances
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "auto": torch.float32}
+MARGIN = {"bfloat16": 0.25, "float16": 0.03, "auto": 0.25}
+LOGPROB_ATOL = {"bfloat16": 0.2, "float16": 0.03, "auto": 0.2}
+NATIVE_BF16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="auto is fp32 on this CPU")
 PROMPT_LENS = [1, 3, 9, 17, 30, 41]
 NEW_TOKENS = 10
 
@@ -29,7 +34,7 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", pytest.param("auto", marks=NATIVE_BF16)])
 @pytest.mark.parametrize("model", ["llama-gqa-tied", "qwen2-bias", "mistral-window"])
 def test_greedy_agrees_with_transformers_at_same_precision(
     dtype, model, tiny_model_dir, make_engine
@@ -38,6 +43,8 @@ def test_greedy_agrees_with_transformers_at_same_precision(
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir(model), dtype=DTYPES[dtype]).eval()
     eng = make_engine(model, dtype=dtype, block_size=4, num_kv_blocks=256)
+    if dtype == "auto":
+        assert (eng.dtype_name, eng.matmul_dtype_name) == ("float32", "bfloat16")
     prompts = _prompts()
     rids = [f"r{i}" for i in range(len(prompts))]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=True)

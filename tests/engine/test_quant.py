@@ -31,7 +31,7 @@ def test_kernels_equal_fp32_over_the_dequantized_weights(kind, rows):
     bias = torch.randn(71, generator=gen)
     x = torch.randn(rows, 96, generator=gen)
     x[0, :32] *= 1000  # one group of wide range: its int16 step is large in absolute terms
-    got = QuantLinear(w, bias, prepack=False)(x)
+    got = QuantLinear(w, bias, pack=None)(x)
     wd = w.dequantize().double()
     ref = x.double() @ wd.t() + bias.double()
     step = x.double().view(rows, -1, 32).abs().amax(-1) / 32767  # [rows, groups]
@@ -46,7 +46,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(kind):
     logits do not change with the batch around it (or under speculative verification)."""
     gen = torch.Generator().manual_seed(9)
     w = QuantWeight.from_float(torch.randn(37, 64, generator=gen), kind)
-    lin = QuantLinear(w, None, prepack=False)
+    lin = QuantLinear(w, None, pack=None)
     x = torch.randn(8, 64, generator=gen)
     together = lin(x)
     for m in range(8):
@@ -58,7 +58,7 @@ def test_batches_above_kernel_rows_use_packed_fp32_exactly():
     gen = torch.Generator().manual_seed(2)
     w = QuantWeight.from_float(torch.randn(48, 64, generator=gen), "q4")
     x = torch.randn(40, 64, generator=gen)
-    got = QuantLinear(w, None, prepack=True)(x)
+    got = QuantLinear(w, None, pack=torch.float32)(x)
     torch.testing.assert_close(got, x @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
 
 

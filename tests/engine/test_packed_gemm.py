@@ -1,0 +1,75 @@
+"""The packed GEMM of prompts and large batches (``services.engine.packed_gemm``): a bf16 copy
+under fp32 activations, and the row invariance ``batch_invariant`` relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.linear import Linear
+from services.engine.packed_gemm import BF16_INVARIANT_ROWS, PackedGemm
+from services.engine.precision import cpu_has_native_bf16, resolve_dtype, resolve_matmul_dtype
+from services.engine.quant import QuantLinear, QuantWeight
+
+NATIVE = pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bf16 on this CPU")
+
+
+def _data(rows: int = 80, k: int = 96, n: int = 160) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen) * 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=NATIVE)])
+def test_invariant_calls_round_each_row_as_it_rounds_alone(dtype):
+    x, w = _data()
+    bias = torch.randn(w.shape[0])
+    gemm = PackedGemm(w, dtype)
+    alone = torch.cat([gemm(x[i : i + 1], bias, invariant=True) for i in range(len(x))])
+    for start, rows in [(0, 80), (3, 33), (7, 64), (40, 40), (1, BF16_INVARIANT_ROWS)]:
+        got = gemm(x[start : start + rows], bias, invariant=True)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, alone[start : start + rows]), (start, rows)
+    ref = x @ w.T + bias
+    tol = 1e-4 if dtype == torch.float32 else 0.05  # bf16 inputs: 8 mantissa bits
+    torch.testing.assert_close(alone, ref, atol=tol, rtol=tol)
+
+
+@NATIVE
+def test_bf16_calls_by_size_are_whole_and_may_round_differently():
+    # the check that slicing is what makes bf16 invariant: a whole call of more rows than
+    # BF16_INVARIANT_ROWS rounds some rows differently on oneDNN's AMX path
+    x, w = _data(rows=256, k=576, n=512)
+    gemm = PackedGemm(w, torch.bfloat16)
+    whole = gemm(x, None, invariant=False)
+    sliced = gemm(x, None, invariant=True)
+    assert not torch.equal(whole, sliced)
+    torch.testing.assert_close(whole, sliced, atol=0.05, rtol=0.05)
+
+
+@NATIVE
+def test_a_dense_linear_packed_in_bf16_keeps_no_fp32_copy():
+    x, w = _data()
+    lin = Linear(w, None, torch.bfloat16)
+    assert lin.w_t is None and lin.nbytes == w.numel() * 2
+    for rows in (1, 2, 5):  # below PACKED_MIN_ROWS too: the packed copy is the only one
+        torch.testing.assert_close(lin(x[:rows]), x[:rows] @ w.T, atol=0.05, rtol=0.05)
+    fp32 = Linear(w, None, torch.float32)
+    assert fp32.w_t is not None and fp32.nbytes == w.numel() * 4
+
+
+@NATIVE
+def test_quantized_linear_packs_its_dequantized_weight_in_bf16():
+    x, w = _data(rows=40, k=64)
+    q = QuantWeight.from_float(w, "q4")
+    lin = QuantLinear(q, None, torch.bfloat16)
+    assert lin.packed is not None and lin.packed.dtype == torch.bfloat16
+    ref = x @ q.dequantize().T
+    torch.testing.assert_close(lin(x), ref, atol=0.05, rtol=0.05)  # 40 rows: the packed GEMM
+
+
+def test_dtype_auto_is_fp32_activations_with_bf16_matmuls_where_native():
+    assert resolve_dtype("auto", "cpu") == "float32"
+    want = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert resolve_matmul_dtype("auto", "cpu") == want
+    for name in ("float32", "bfloat16", "float16"):
+        assert resolve_matmul_dtype(name, "cpu") == resolve_dtype(name, "cpu") == name
