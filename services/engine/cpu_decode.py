@@ -119,7 +119,11 @@ class FusedDecode:
             )
         )
 
-    def __init__(self, model: LlamaModel, cache: KVCache, max_model_len: int) -> None:
+    def __init__(
+        self, model: LlamaModel, cache: KVCache, max_model_len: int, max_rows: int = MAX_BATCH
+    ) -> None:
+        # max_rows: steps of more tokens run op by op (by step size, the packed GEMM wins there)
+        self.max_rows = min(max_rows, MAX_BATCH)
         lib = library.load()
         assert lib is not None
         self.lib = lib
@@ -165,7 +169,7 @@ class FusedDecode:
         self._scores = torch.empty(max(max_model_len, 1) * (group + 2) + 2)  # + row offsets
 
     def fits(self, meta: AttentionMetadata) -> bool:
-        return sum(meta.query_lens) <= MAX_BATCH
+        return sum(meta.query_lens) <= self.max_rows
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

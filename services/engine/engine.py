@@ -30,7 +30,7 @@ from services.engine.block_hash import hash_block, hash_blocks, salted_root
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.cpu_backend import supports as cpu_backend_supports
-from services.engine.cpu_decode import FusedDecode
+from services.engine.cpu_decode import MAX_BATCH, FusedDecode
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.errors import InvalidRequestError, LayoutMismatchError, UnknownRequestError
 from services.engine.kv_cache import KVCache
@@ -48,6 +48,7 @@ from services.engine.precision import (
     resolve_matmul_dtype,
     resolve_quantization,
 )
+from services.engine.quant import kernel_rows
 from services.engine.request import FinishReason, Request, RequestOutput, Status
 from services.engine.sampler import sample
 from services.engine.sampling_params import SamplingParams, check_prompt
@@ -187,7 +188,12 @@ class Engine:
             graphs.capture_all()  # at start, as padding only: no request waits for a capture
         fused = None
         if FusedDecode.supported(self.model, self.backend.name):
-            fused = FusedDecode(self.model, self.cache, self.max_model_len)
+            # NOTE: by role, generated rows run the kernels at any batch: every pure decode
+            # step of up to MAX_BATCH rows fuses; by size, only those the kernels win
+            rows = (
+                MAX_BATCH if self.batch_invariant else kernel_rows(matmul_dtype if pack else None)
+            )
+            fused = FusedDecode(self.model, self.cache, self.max_model_len, rows)
         self.runner = ModelRunner(
             self.model, self.cache, self.step_state, self.backend, graphs, fused
         )

@@ -26,7 +26,17 @@ from services.engine.packed_gemm import packed_gemm
 from services.engine.row_roles import RowRoles, by_role
 
 QK = 32
-KERNEL_ROWS = 16  # NOTE: measured crossover with packed fp32 oneDNN GEMMs (BENCHMARKS.md)
+# NOTE: the measured crossover with oneDNN's packed GEMM, by the packed copy's dtype: above
+# this many rows the packed GEMM is faster (SmolLM2's linears, one core: fp32 above 16 rows,
+# AMX bf16 above 4: 16.3 vs 15.0 ms at 4 rows, 18.8 vs 26.9 ms at 8)
+KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 4, torch.float16: 4}
+
+
+def kernel_rows(pack: torch.dtype | None) -> int:
+    """Rows up to which the quantized kernels beat the packed GEMM (all, when not packed)."""
+    return 1 << 30 if pack is None else KERNEL_ROWS[pack]
+
+
 MAX_IN_FEATURES = 16384  # the kernels' per-group sums live on their stack
 Kind = Literal["q4", "q8"]
 
@@ -166,6 +176,7 @@ class QuantLinear:
         if self.in_features > MAX_IN_FEATURES:
             raise ValueError(f"input dim {self.in_features} > {MAX_IN_FEATURES} (kernel limit)")
         self.packed = packed_gemm(w.dequantize(), pack)
+        self.kernel_rows = kernel_rows(pack)
 
     @property
     def nbytes(self) -> int:
@@ -177,7 +188,7 @@ class QuantLinear:
         if roles is not None:
             prompt = self._invariant_gemm if self.packed is not None else self._kernels
             return by_role(x, roles, prompt, self._kernels)
-        if self.packed is not None and x.shape[0] > KERNEL_ROWS:
+        if self.packed is not None and x.shape[0] > self.kernel_rows:
             return self.packed(x, self.bias, invariant=False)
         return self._kernels(x)
 

@@ -2,7 +2,7 @@
 (batch-invariant).
 
 By default a linear layer picks its kernel by the number of rows in the call: the quantized
-decode kernels up to ``KERNEL_ROWS``, oneDNN's packed fp32 GEMM above. Fastest, but a row's
+decode kernels up to ``KERNEL_ROWS``, oneDNN's packed GEMM above. Fastest, but a row's
 rounding then depends on what else is in its step, so a seeded request's tokens can change
 with load, and a resumed request's replay can disagree with what its client already has.
 

@@ -1,11 +1,18 @@
 """OpenAI-compatible request bodies (pydantic, at the edge) and their translation to
-``SamplingParams``. Pure: no I/O, unit-testable alone."""
+``SamplingParams``. Pure: no I/O, unit-testable alone.
+
+No field is silently ignored. A field of OpenAI's (or vLLM's) request bodies that pdserve does
+not implement is listed in ``UNSUPPORTED`` (the README shows the list) and refused with a 400
+naming it, unless it carries its neutral value (null, false, 0, an empty string, list or
+object: it asks for nothing, and clients that fill in defaults send it). Any other field is
+refused as unknown.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.engine.errors import InvalidRequestError
 from services.engine.sampling_params import SamplingParams
@@ -20,10 +27,66 @@ class StreamOptions(BaseModel):
     )
 
 
+# body kind -> fields pdserve does not implement (refused by name unless neutral)
+UNSUPPORTED: dict[str, frozenset[str]] = {
+    "sampling": frozenset(
+        {
+            "best_of",
+            "echo",
+            "frequency_penalty",
+            "function_call",
+            "functions",
+            "logit_bias",
+            "metadata",
+            "min_tokens",
+            "modalities",
+            "parallel_tool_calls",
+            "prediction",
+            "presence_penalty",
+            "reasoning_effort",
+            "repetition_penalty",
+            "response_format",
+            "service_tier",
+            "store",
+            "suffix",
+            "tool_choice",
+            "tools",
+            "top_logprobs",
+            "user",
+            "web_search_options",
+            "audio",
+        }
+    ),
+    "message": frozenset(
+        {"name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"}
+    ),
+}
+
+
+def _neutral(value: object) -> bool:
+    return value is None or value is False or value in (0, "", [], {})
+
+
+def check_fields(model: type[BaseModel], body: dict[str, Any], kind: str, where: str = "") -> None:
+    """Raise InvalidRequestError for the first field of ``body`` that ``model`` lacks: as not
+    implemented (listed in UNSUPPORTED[kind], non-neutral) or unknown; neutral unsupported
+    fields are dropped from ``body``."""
+    for key in list(body):
+        if key in model.model_fields:
+            continue
+        field = f"{where}{key}"
+        if key in UNSUPPORTED[kind]:
+            if _neutral(body[key]):
+                del body[key]
+                continue
+            raise InvalidRequestError(field, "is not implemented by pdserve")
+        raise InvalidRequestError(field, "unknown field")
+
+
 class _Sampling(BaseModel):
-    # NOTE: unknown fields are ignored (clients send many optional ones), but known fields are
-    # strictly typed: a wrong type is a 400 naming the field.
-    model_config = ConfigDict(extra="ignore", strict=False)
+    # NOTE: no field is ignored (check_fields runs first; forbid is the backstop), and known
+    # fields are strictly typed: a wrong type is a 400 naming the field.
+    model_config = ConfigDict(extra="forbid", strict=False)
 
     model: str = Field(description="model id from /v1/models")
     max_tokens: int | None = Field(None, description="tokens to generate at most")
@@ -71,10 +134,23 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=1, description="1 = logprob of each chosen token")
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"] = Field(description="only text parts: pdserve serves text models")
+    text: str
+
+
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] = Field(
+        description="text, or an array of text parts (joined in order, as OpenAI's)"
+    )
+
+    @field_validator("content")
+    @classmethod
+    def _join_parts(cls, v: str | list[TextPart]) -> str:
+        return v if isinstance(v, str) else "".join(p.text for p in v)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -87,6 +163,15 @@ def parse(model: type[_Sampling], body: object) -> _Sampling:
     """Validate a decoded JSON body; raises InvalidRequestError naming the first bad field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", "must be a JSON object")
+    body = dict(body)
+    check_fields(model, body, "sampling")
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        body["messages"] = [dict(m) if isinstance(m, dict) else m for m in messages]
+        for i, m in enumerate(body["messages"]):
+            if isinstance(m, dict):
+                check_fields(ChatMessageIn, m, "message", f"messages.{i}.")
+                _check_parts(m.get("content"), f"messages.{i}.content")
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -96,6 +181,18 @@ def parse(model: type[_Sampling], body: object) -> _Sampling:
         parts = [str(x) for x in err["loc"] if not _is_union_tag(x)]
         field = ".".join(parts) or "body"
         raise InvalidRequestError(field, err["msg"]) from None
+
+
+def _check_parts(content: object, where: str) -> None:
+    """A non-text content part is refused by name (a text model cannot read it)."""
+    if not isinstance(content, list):
+        return
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind is not None and kind != "text":
+            raise InvalidRequestError(
+                f"{where}.{j}.type", f"{kind!r} parts are not implemented: pdserve serves text"
+            )
 
 
 def _is_union_tag(x: object) -> bool:
