@@ -40,8 +40,6 @@ import torch
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.loader import default_model_path, gguf_cache_folder
-from services.engine.packed_gemm import PackedGemm
-from services.engine.precision import cpu_has_native_bf16
 from services.engine.sampling_params import SamplingParams
 
 TEXT = Path(__file__).with_name("data") / "declaration_of_independence.txt"
@@ -65,6 +63,10 @@ def floors() -> dict[str, float]:
     """Single-thread memory bandwidth (GB/s, a matrix-vector product over 256 MB: reads the
     matrix once) and GEMM rates (GFLOP/s, 512 x 576 x 1536, SmolLM2's MLP shape): fp32, and
     bf16 on oneDNN's packed weights where the CPU has native bf16 (AMX), pdserve's prompt path."""
+    # NOTE: imported here: the baseline tree's run (--tokens-only) has neither module
+    from services.engine.packed_gemm import PackedGemm
+    from services.engine.precision import cpu_has_native_bf16
+
     w = torch.randn(16384, 4096)
     x = torch.randn(1, 4096)
     bw = w.numel() * 4 / best_of(lambda: torch.nn.functional.linear(x, w)) / 1e9

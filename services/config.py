@@ -126,7 +126,8 @@ class ServeConfig(BaseModel):
         "generated rows: the decode kernels) instead of by the step's size, so a seeded "
         "request's tokens do not depend on the requests it is batched with (a resumed "
         "request's replay then matches under any load). auto: on with the cpu attention "
-        "backend (the CPU default); true elsewhere is refused. Costs decode speed above 16 "
+        "backend (the CPU default) when matmuls run in fp32, off where they run in bf16 on "
+        "AMX (it would cost 2.9x decode throughput there); true elsewhere is refused. Costs decode speed above 16 "
         "rows a step; prefix-cache hits can still change the rounding",
     )
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")

@@ -70,12 +70,17 @@ def can_prepack(device: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def resolve_batch_invariant(setting: bool | str, backend: str) -> bool:
+def resolve_batch_invariant(
+    setting: bool | str, backend: str, matmul_dtype: torch.dtype = torch.float32
+) -> bool:
     """``auto`` -> on with the ``cpu`` attention backend, whose every kernel computes a row on
-    its own; elsewhere (GPU kernels pick tilings and reduction splits by batch size) it is not
-    implemented, and asking for it is an error rather than a promise not kept."""
+    its own, where the matmuls run in fp32 (invariance then costs decode about 11% at 32
+    concurrent requests); off where they run in bf16 on AMX (generated rows would forgo the
+    AMX GEMM at every batch: 2.9x fewer tokens/s at 32 concurrent, BENCHMARKS.md), where
+    ``true`` still gives it. Elsewhere (GPU kernels pick tilings and reduction splits by batch
+    size) it is not implemented, and asking for it is an error rather than a promise not kept."""
     if setting == "auto":
-        return backend == "cpu"
+        return backend == "cpu" and matmul_dtype == torch.float32
     if setting and backend != "cpu":
         raise ValueError(
             f"batch_invariant is implemented by the 'cpu' attention backend only, not by "
@@ -147,7 +152,9 @@ class Engine:
                 f"kv_cache_dtype int8 is not implemented by the {self.backend.name!r} attention "
                 "backend; use kv_cache_dtype auto, or attention_backend torch or cpu"
             )
-        self.batch_invariant = resolve_batch_invariant(config.batch_invariant, self.backend.name)
+        self.batch_invariant = resolve_batch_invariant(
+            config.batch_invariant, self.backend.name, matmul_dtype
+        )
         num_blocks = self._num_kv_blocks(config, dtype)
         self.cache = KVCache(
             mc.num_layers,

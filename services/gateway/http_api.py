@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP API over a ``Gateway``: /v1/completions, /v1/chat/completions
-(SSE with ``stream: true``), /v1/models, /health (liveness), /ready (readiness), /metrics.
+(SSE with ``stream: true``), /v1/models, /tokenize and /detokenize (vLLM's), /version,
+/health (liveness), /ready (readiness), /metrics.
 Errors are mapped here, once."""
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from services.engine.errors import InvalidRequestError, RequestFailedError
 from services.gateway.admission import OverloadedError
 from services.gateway.body import PayloadTooLargeError, check_size, decode
 from services.gateway.gateway import Gateway, ServiceUnavailableError, Timing
-from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, parse
+from services.gateway.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse,
+)
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +182,35 @@ def build_http_app(gw: Gateway) -> FastAPI:
                 }
             ],
         }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req: TokenizeRequest = parse(TokenizeRequest, await body_of(request))
+        if req.model is not None:
+            gw.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("prompt", "send exactly one of prompt and messages")
+        if req.messages is not None:
+            msgs = [m.model_dump() for m in req.messages]
+            ids = await gw.tokenized(gw.chat_ids, msgs)
+        else:
+            ids = await gw.tokenized(gw.tokenizer.encode, req.prompt, req.add_special_tokens)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids}
+        out["token_strs"] = (
+            [gw.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
+        )
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, str]:
+        req: DetokenizeRequest = parse(DetokenizeRequest, await body_of(request))
+        if req.model is not None:
+            gw.check_model(req.model)
+        vocab = gw.model_config.vocab_size
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise InvalidRequestError(f"tokens.{i}", f"{t} is not a token id (vocab {vocab})")
+        return {"prompt": await gw.tokenized(gw.tokenizer.decode, req.tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):  # type: ignore[no-untyped-def]

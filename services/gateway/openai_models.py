@@ -57,6 +57,9 @@ UNSUPPORTED: dict[str, frozenset[str]] = {
             "audio",
         }
     ),
+    "tokenize": frozenset(
+        {"continue_final_message", "chat_template", "chat_template_kwargs", "tools"}
+    ),
     "message": frozenset(
         {"name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"}
     ),
@@ -159,12 +162,36 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
 
 
-def parse(model: type[_Sampling], body: object) -> _Sampling:
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages as the chat endpoint renders them
+    (with the generation prompt)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = Field(True, description="a prompt's BOS, where the model adds one")
+    add_generation_prompt: Literal[True] = Field(
+        True, description="the chat endpoint always adds it; false is refused"
+    )
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+_KIND: dict[type[BaseModel], str] = {TokenizeRequest: "tokenize", DetokenizeRequest: "tokenize"}
+
+
+def parse(model: type[BaseModel], body: object) -> Any:
     """Validate a decoded JSON body; raises InvalidRequestError naming the first bad field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", "must be a JSON object")
     body = dict(body)
-    check_fields(model, body, "sampling")
+    check_fields(model, body, _KIND.get(model, "sampling"))
     messages = body.get("messages")
     if isinstance(messages, list):
         body["messages"] = [dict(m) if isinstance(m, dict) else m for m in messages]

@@ -155,6 +155,8 @@ def test_by_role_runs_each_row_by_its_role_in_order():
 
 def test_batch_invariant_is_on_with_the_cpu_backend_and_refused_by_name_elsewhere():
     assert resolve_batch_invariant("auto", "cpu") is True
+    assert resolve_batch_invariant("auto", "cpu", torch.bfloat16) is False  # AMX: throughput
+    assert resolve_batch_invariant(True, "cpu", torch.bfloat16) is True
     assert resolve_batch_invariant("auto", "triton") is False
     assert resolve_batch_invariant(False, "cpu") is False
     with pytest.raises(ValueError, match="batch_invariant is implemented by the 'cpu'"):
