@@ -74,7 +74,7 @@ def pdserve_version() -> str:
         return "unknown"
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving"
     )
@@ -97,22 +97,16 @@ def _build_parser() -> argparse.ArgumentParser:
     # NOTE: parsed by pdserve.cli (the SDK's); listed here for --help only, see main()
     sub.add_parser("client", help="call a running cluster's gRPC API (see pdserve client -h)")
 
-    srv = sub.add_parser("serve", help="start or join a Ray cluster and deploy (Ctrl-C stops)")
+    srv = sub.add_parser(
+        "serve",
+        help="start or join a Ray cluster and deploy (Ctrl-C stops)",
+        description="Every configuration field is a flag (generated from the config model: "
+        "services/config.py); flags override PDSERVE_* variables, which override --config.",
+    )
     srv.add_argument("--config", default=None, help="YAML config file (see deploy/pdserve.yaml)")
-    srv.add_argument("--address", dest="ray_address", default=None, help="join this Ray cluster")
-    srv.add_argument("--model", default=None)
-    srv.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
-    srv.add_argument("--conditional-threshold", type=int, default=None)
-    srv.add_argument("--routing", choices=["prefix_aware", "least_loaded"], default=None)
-    srv.add_argument("--redis-url", default=None, help="prefix index in Redis (default in-process)")
-    srv.add_argument("--block-size", type=int, default=None)
-    srv.add_argument("--http-host", default=None)
-    srv.add_argument("--http-port", type=int, default=None)
-    srv.add_argument("--grpc-port", type=int, default=None, help="public gRPC API; 0 = off")
-    for pool in ("prefill", "decode"):
-        srv.add_argument(f"--{pool}-replicas", type=int, default=None)
-        srv.add_argument(f"--{pool}-kv-blocks", type=int, default=None)
-        srv.add_argument(f"--{pool}-threads", type=int, default=None)
+    from services.config_flags import add_flags
+
+    add_flags(srv)
     return parser
 
 
@@ -120,34 +114,11 @@ def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from services.config import load_config
+    from services.config_flags import overrides
     from services.launcher import local_ray_auth, serve_forever
 
-    flat = {
-        k: getattr(args, k)
-        for k in (
-            "ray_address",
-            "model",
-            "mode",
-            "conditional_threshold",
-            "routing",
-            "redis_url",
-            "block_size",
-            "http_host",
-            "http_port",
-            "grpc_port",
-        )
-    }
-    overrides: dict[str, object] = {k: v for k, v in flat.items() if v is not None}
-    for pool in ("prefill", "decode"):
-        p = {
-            "replicas": getattr(args, f"{pool}_replicas"),
-            "num_kv_blocks": getattr(args, f"{pool}_kv_blocks"),
-            "threads": getattr(args, f"{pool}_threads"),
-        }
-        if any(v is not None for v in p.values()):
-            overrides[pool] = {k: v for k, v in p.items() if v is not None}
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides(args))
     except ValidationError as e:
         print(f"pdserve: invalid configuration:\n{e}", file=sys.stderr)
         return 2
@@ -234,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.cli import main as client_main
 
         return client_main(argv[1:])
-    args = _build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)

@@ -131,6 +131,15 @@ class ServeConfig(BaseModel):
         "rows a step; prefix-cache hits can still change the rounding",
     )
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="longest prompt + output, tokens; None = the model's, capped by each "
+        "pool's KV capacity (a longer explicit value is refused at start)",
+    )
+    served_model_name: str | None = Field(
+        None, description="the model id the APIs answer to and report; None = the model's"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="auto = bfloat16 on GPUs; on CPUs float32 activations and KV, with bf16 "
@@ -347,6 +356,26 @@ class ServeConfig(BaseModel):
                 raise ValueError("api_keys: two tenants share a key")
         return v
 
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the smallest serving pool's KV cache holds (one request can use at most
+        that), where the config fixes it: ``num_kv_blocks`` on CPU, or on CUDA without
+        ``gpu_memory_utilization``; None where the replica sizes its pool from free memory."""
+        if self.device.startswith("cuda") and self.gpu_memory_utilization is not None:
+            return None
+        pools = [self.decode] if self.mode == "colocated" else [self.prefill, self.decode]
+        return min(p.num_kv_blocks for p in pools) * self.block_size
+
+    @model_validator(mode="after")
+    def _max_model_len_fits(self) -> ServeConfig:
+        cap = self.kv_capacity_tokens()
+        if self.max_model_len is not None and cap is not None and self.max_model_len > cap:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} does not fit the KV cache: the smallest "
+                f"serving pool holds {cap} tokens (num_kv_blocks x block_size {self.block_size}); "
+                "lower max_model_len or raise the pools' num_kv_blocks"
+            )
+        return self
+
     @model_validator(mode="after")
     def _tls_pair(self) -> ServeConfig:
         if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
@@ -379,6 +408,7 @@ class ServeConfig(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             threads=pool.threads,
             batch_invariant=self.batch_invariant,
+            max_model_len=self.max_model_len,
         )
 
 

@@ -156,6 +156,16 @@ class Engine:
             config.batch_invariant, self.backend.name, matmul_dtype
         )
         num_blocks = self._num_kv_blocks(config, dtype)
+        capacity = num_blocks * config.block_size
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} does not fit this replica's KV cache: "
+                f"{num_blocks} blocks of {config.block_size} tokens hold {capacity}; lower "
+                "max_model_len, or raise num_kv_blocks / gpu_memory_utilization"
+            )
+        # NOTE: the default (the model's) is capped by what one request can ever hold, so a
+        # request that leaves max_tokens out asks for what fits
+        self.max_model_len = min(self.max_model_len, capacity)
         self.cache = KVCache(
             mc.num_layers,
             num_blocks,

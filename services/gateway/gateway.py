@@ -257,9 +257,15 @@ class Gateway:
         self.index = open_index(cfg, index_handle)
         self._index_down_until = 0.0  # monotonic; > now while routing ignores the index
         folder, self.model_id = resolve_model(cfg.model)
+        self.model_id = cfg.served_model_name or self.model_id
         self.model_config = read_model_config(folder)
         self.tokenizer = Tokenizer.from_folder(folder)
-        self.max_model_len = self.model_config.max_position_embeddings
+        # NOTE: as the engines compute it (the model's, capped by KV capacity where the config
+        # fixes it), so a request that leaves max_tokens out asks for what fits
+        limits = (cfg.max_model_len, cfg.kv_capacity_tokens())
+        self.max_model_len = min(
+            [self.model_config.max_position_embeddings, *(x for x in limits if x is not None)]
+        )
         self.metrics = Metrics()
         self.metrics.index_up.set(1 if self.index is not None else 0)
         self.admission = Admission(

@@ -51,12 +51,12 @@ def test_bad_sampling_params_name_the_field(field, kwargs):
         ("prompt", [1, -1], OK),
         ("prompt", [1] * 512, OK),  # the tiny model's context is 512
         ("max_tokens", [1] * 500, SamplingParams(max_tokens=20)),
-        ("max_tokens", [1, 2], SamplingParams(max_tokens=300)),  # needs more blocks than the pool
+        ("max_tokens", [1, 2], SamplingParams(max_tokens=511)),  # over the context with the prompt
         ("stop", [1, 2], SamplingParams(max_tokens=3, stop=("x",))),  # tiny model: no tokenizer
     ],
 )
 def test_bad_requests_are_refused_and_others_continue(make_engine, field, prompt, params):
-    eng = make_engine(num_kv_blocks=64)
+    eng = make_engine(num_kv_blocks=160)  # 640 tokens: the model's 512 is the context
     eng.add_request("good", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     eng.step()
     used = eng.blocks.num_used_blocks
@@ -220,3 +220,14 @@ def test_a_sampling_failure_fails_its_request_alone(make_engine, monkeypatch):
     assert [t for o in outs["ok"] for t in o.new_token_ids] == alone[0]
     assert outs["ok"][-1].finish_reason is FinishReason.LENGTH
     assert eng.blocks.num_used_blocks == 0
+
+
+def test_max_model_len_is_capped_by_the_kv_cache_and_an_explicit_one_must_fit(make_engine):
+    eng = make_engine(num_kv_blocks=32)  # 32 x 4 = 128 tokens; the model's context is 512
+    assert eng.max_model_len == 128
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request("long", [1, 2], SamplingParams(max_tokens=127))  # 129 tokens
+    assert e.value.field == "max_tokens"
+    assert make_engine(num_kv_blocks=32, max_model_len=100).max_model_len == 100
+    with pytest.raises(ValueError, match="max_model_len 200 does not fit this replica's KV"):
+        make_engine(num_kv_blocks=32, max_model_len=200)

@@ -183,6 +183,15 @@ def test_slo_targets_reach_the_serve_config():
     assert "autoscaling" not in serve_args(render())["prefill"]  # off by default
 
 
+def test_max_model_len_and_served_model_name_reach_the_serve_config():
+    from services.app import config_from_args
+
+    assert "max_model_len" not in serve_args(render())  # the model's, capped by KV capacity
+    args = serve_args(render(None, "serve.maxModelLen=4096", "serve.servedModelName=\"smol\""))
+    cfg = config_from_args(args)
+    assert (cfg.max_model_len, cfg.served_model_name) == (4096, "smol")
+
+
 @pytest.mark.parametrize("values", VALUES, ids=name)
 def test_the_chart_serve_config_is_what_the_launcher_loads(values):
     from services.app import app_from_env, config_from_args

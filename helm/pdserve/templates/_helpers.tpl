@@ -103,6 +103,12 @@ model: {{ . | quote }}
 {{- end }}
 conditional_threshold: {{ $s.conditionalThreshold }}
 block_size: {{ $s.blockSize }}
+{{- with $s.maxModelLen }}
+max_model_len: {{ . }}
+{{- end }}
+{{- with $s.servedModelName }}
+served_model_name: {{ . | quote }}
+{{- end }}
 dtype: {{ $s.dtype }}
 quantization: {{ $s.quantization }}
 batch_invariant: {{ $s.batchInvariant }}
