@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
-from services.config import load_config
+from services.config import ServeConfig, load_config
 from services.engine.errors import InvalidRequestError
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, parse
 from services.pd_flow import prefill_on_decode
@@ -20,6 +21,9 @@ def test_example_yaml_loads_with_the_documented_defaults():
     assert cfg == load_config(environ={})  # the example file spells out the defaults
     assert cfg.http_port == 8000 and cfg.mode == "disaggregated"
     assert cfg.prefill.resource == "prefill_pool" and cfg.decode.resource == "decode_pool"
+    spelled = yaml.safe_load((REPO / "deploy/pdserve.yaml").read_text())
+    missing = set(ServeConfig.model_fields) - set(spelled)
+    assert not missing, f"deploy/pdserve.yaml does not list {sorted(missing)}"
 
 
 def test_precedence_yaml_env_flags(tmp_path):
