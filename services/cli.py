@@ -11,6 +11,7 @@ Sub-commands:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -119,8 +120,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config, overrides(args))
+        check_model(cfg.model)
     except ValidationError as e:
         print(f"pdserve: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
+    except ModelLoadError as e:  # one line, before Ray starts (not a replica's traceback)
+        print(f"pdserve: cannot load the model: {e}", file=sys.stderr)
         return 2
     if not cfg.ray_address:
         # NOTE: only before ray is imported (serve_forever imports it): Ray reads the mode
@@ -133,6 +138,17 @@ def _serve(args: argparse.Namespace) -> int:
         else:
             local_ray_auth(os.environ)
     return serve_forever(cfg)
+
+
+def check_model(model: str | None) -> None:
+    """Raise ModelLoadError unless ``model`` resolves to a folder with a readable config of
+    a supported architecture. Converts a GGUF here, once, with progress on stderr, so the
+    replicas find it converted (on one host; other hosts convert their own copy)."""
+    from services.engine.loader import read_model_config, resolve_model
+
+    logging.basicConfig(level=logging.INFO, format="pdserve: %(message)s")
+    folder, _ = resolve_model(model)
+    read_model_config(folder)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -36,6 +36,17 @@ def test_bad_arguments_exit_2_naming_the_field(args, message):
     assert r.returncode == 2 and message in r.stderr
 
 
+def test_serve_with_an_unloadable_model_fails_in_one_line_before_ray_starts(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf")
+    for model, says in (("/nonexistent/x.gguf", "does not exist"), (str(bad), "x.gguf")):
+        r = _pdserve("serve", "--model", model)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pdserve: cannot load the model:")
+        assert says in lines[0] and "ray" not in r.stderr.lower()
+
+
 def test_missing_model_exits_1():
     r = _pdserve("generate", "--prompt", "hi", "--model", "/nonexistent/x.gguf")
     assert r.returncode == 1 and "does not exist" in r.stderr

@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,9 @@ DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 # GGUF `general.architecture` -> HF architecture name (Mistral GGUFs say "llama").
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 CACHE_FORMAT = "v1"
+PROGRESS_EVERY_S = 5.0  # a conversion reports its progress at most this often
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +261,24 @@ def _convert_gguf(path: Path, folder: Path) -> None:
     reader, meta = read_gguf_metadata(path)
     embed = [t for t in reader.tensors if t.name == "token_embd.weight"]
     config = gguf_model_config(meta, int(embed[0].shape[1]) if embed else 0)
-    tensors: dict[str, torch.Tensor] = dict(_gguf_tensors(path, quantized=False))
+    total = sum(1 for t in reader.tensors if _hf_name(t.name) is not None)
+    size_mb = path.stat().st_size / 2**20
+    log.info(
+        "converting %s (%.0f MB, %d tensors) to fp32 in %s, once", path, size_mb, total, folder
+    )
+    start = last = time.monotonic()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in _gguf_tensors(path, quantized=False):
+        tensors[name] = w  # type: ignore[assignment]
+        if time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            log.info(
+                "converting %s: %d / %d tensors, %.0f s",
+                path.name,
+                len(tensors),
+                total,
+                last - start,
+            )
     if "lm_head.weight" not in tensors:
         config = _with_tied(config)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -270,6 +292,7 @@ def _convert_gguf(path: Path, folder: Path) -> None:
         if folder.exists():
             shutil.rmtree(folder)
         tmp.rename(folder)
+        log.info("converted %s in %.1f s", path.name, time.monotonic() - start)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -111,3 +111,23 @@ def test_gguf_of_another_architecture_is_refused(tmp_path):
     w.close()
     with pytest.raises(UnsupportedArchitectureError, match="'falcon'"):
         load_model(path)
+
+
+def test_a_conversion_reports_its_progress(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    import logging
+
+    from services.engine import loader
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "PROGRESS_EVERY_S", 0.0)  # every tensor
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_model_dir("llama-mha-untied"), "Q8_0")
+    with caplog.at_level(logging.INFO, logger="services.engine.loader"):
+        loader.resolve_model(path)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith(f"converting {path}") and lines[-1].startswith("converted tiny.gguf")
+    assert any("tensors," in line for line in lines[1:-1])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="services.engine.loader"):
+        loader.resolve_model(path)  # cached: nothing to convert, nothing said
+    assert not caplog.records

@@ -187,7 +187,7 @@ def test_max_model_len_and_served_model_name_reach_the_serve_config():
     from services.app import config_from_args
 
     assert "max_model_len" not in serve_args(render())  # the model's, capped by KV capacity
-    args = serve_args(render(None, "serve.maxModelLen=4096", "serve.servedModelName=\"smol\""))
+    args = serve_args(render(None, "serve.maxModelLen=4096", 'serve.servedModelName="smol"'))
     cfg = config_from_args(args)
     assert (cfg.max_model_len, cfg.served_model_name) == (4096, "smol")
 
