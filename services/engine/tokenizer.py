@@ -98,6 +98,10 @@ class Tokenizer:
         self.bos_token: str | None = _token_str(config.get("bos_token"))
         self.eos_token: str | None = _token_str(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", False))
+        # NOTE: without add_bos_token in its config, a tokenizer's special tokens come from
+        # tokenizer.json's post-processor, as transformers' fast tokenizers do (Llama-3's
+        # TemplateProcessing writes <|begin_of_text|>; a ByteLevel one adds nothing)
+        self._post_processor_adds = "add_bos_token" not in config
         self.chat_template: str | None = config.get("chat_template")
         self.bos_token_id = tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = tok.token_to_id(self.eos_token) if self.eos_token else None
@@ -123,6 +127,8 @@ class Tokenizer:
         return cls(tok, config)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if add_special_tokens and self._post_processor_adds:
+            return self._tok.encode(text, add_special_tokens=True).ids
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]

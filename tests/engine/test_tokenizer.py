@@ -114,3 +114,24 @@ def test_a_template_that_trims_content_is_followed(tokenizers):
     )
     msgs = [{"role": "user", "content": "  padded  "}]
     assert trimming.encode_chat(msgs) == trimming.encode_chat(msgs, special_tokens_in_content=True)
+
+
+def test_bos_comes_from_the_post_processor_without_add_bos_token(tokenizers, tmp_path):
+    """A Llama-3 folder: no add_bos_token in tokenizer_config.json, the BOS written by
+    tokenizer.json's TemplateProcessing; ids equal transformers' own tokenizer's."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    ours, _ = tokenizers
+    tok = ours._tok.__class__.from_str(ours._tok.to_str())
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", pair="<|im_start|> $A $B", special_tokens=[("<|im_start|>", 1)]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>"}))
+    mine = Tokenizer.from_folder(tmp_path)
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    for text in TEXTS[:4]:
+        ids = mine.encode(text)
+        assert ids[0] == 1 and ids == ref.encode(text)
+        assert mine.encode(text, add_special_tokens=False) == ids[1:]
