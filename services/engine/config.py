@@ -13,7 +13,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,9 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # freq_factors only: each rotary frequency is divided by its factor (a GGUF's rope_freqs
+    # tensor, as llama.cpp applies it: Llama-3.1 / 3.2 keep their llama3 scaling there)
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +119,12 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if self.eos_token_ids else None,
             "torch_dtype": "float32",
         }
-        if rs.rope_type != "default":
+        if rs.rope_type == "freq_factors":  # pdserve's own: transformers has no such type
+            out["rope_scaling"] = {
+                "rope_type": "freq_factors",
+                "freq_factors": list(rs.freq_factors),
+            }
+        elif rs.rope_type != "default":
             out["rope_scaling"] = {
                 "rope_type": rs.rope_type,
                 "factor": rs.factor,
@@ -141,6 +149,15 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
         )
     if rope_type == "default":
         return theta, RopeScaling()
+    if rope_type == "freq_factors":
+        factors = scaling.get("freq_factors")
+        if not isinstance(factors, list) or not all(
+            isinstance(f, int | float) and f > 0 for f in factors
+        ):
+            raise ModelLoadError("rope_scaling freq_factors must be a list of positive numbers")
+        return theta, RopeScaling(
+            rope_type=rope_type, freq_factors=tuple(float(f) for f in factors)
+        )
     return theta, RopeScaling(
         rope_type=rope_type,
         factor=float(scaling.get("factor", 1.0)),

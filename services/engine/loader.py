@@ -31,7 +31,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 # GGUF `general.architecture` -> HF architecture name (Mistral GGUFs say "llama").
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-CACHE_FORMAT = "v1"
+CACHE_FORMAT = "v2"  # v2: rope_freqs kept (freq_factors)
 PROGRESS_EVERY_S = 5.0  # a conversion reports its progress at most this often
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def _hf_name(gguf_name: str) -> str | None:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_NAMES:
         return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-    return None  # e.g. rope_freqs: recomputed from the config
+    return None  # rope_freqs: into the config (_convert_gguf), not a weight
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -261,6 +261,7 @@ def _convert_gguf(path: Path, folder: Path) -> None:
     reader, meta = read_gguf_metadata(path)
     embed = [t for t in reader.tensors if t.name == "token_embd.weight"]
     config = gguf_model_config(meta, int(embed[0].shape[1]) if embed else 0)
+    config = _with_rope_freqs(config, reader)
     total = sum(1 for t in reader.tensors if _hf_name(t.name) is not None)
     size_mb = path.stat().st_size / 2**20
     log.info(
@@ -296,6 +297,26 @@ def _convert_gguf(path: Path, folder: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _with_rope_freqs(config: ModelConfig, reader) -> ModelConfig:  # type: ignore[no-untyped-def]
+    """llama.cpp keeps Llama-3.1 / 3.2's rope scaling as a ``rope_freqs`` tensor of per-
+    frequency divisors (no scaling metadata): it becomes the config's freq_factors."""
+    from dataclasses import replace
+
+    from services.engine.config import RopeScaling
+
+    found = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    if not found:
+        return config
+    factors = np.asarray(found[0].data, dtype=np.float32).reshape(-1)
+    if factors.size != config.head_dim // 2 or not np.all(np.isfinite(factors) & (factors > 0)):
+        raise ModelLoadError(
+            f"rope_freqs has {factors.size} values (head_dim {config.head_dim} needs "
+            f"{config.head_dim // 2}) or values that are not positive"
+        )
+    scaling = RopeScaling(rope_type="freq_factors", freq_factors=tuple(float(f) for f in factors))
+    return replace(config, rope_scaling=scaling)
 
 
 def _with_tied(config: ModelConfig) -> ModelConfig:

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (HF "rotate half" layout) with default, linear and llama3 scaling."""
+"""Rotary position embeddings (HF "rotate half" layout) with default, linear and llama3 scaling,
+and per-frequency factors (a GGUF's rope_freqs tensor)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import torch
 
 from services.engine.config import ModelConfig
+from services.engine.errors import ModelLoadError
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -15,6 +17,12 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     rs = cfg.rope_scaling
     if rs.rope_type == "linear":
         inv = inv / rs.factor
+    elif rs.rope_type == "freq_factors":
+        if len(rs.freq_factors) != inv.numel():
+            raise ModelLoadError(
+                f"rope freq_factors has {len(rs.freq_factors)} values; head_dim {dim} needs {inv.numel()}"
+            )
+        inv = inv / torch.tensor(rs.freq_factors, dtype=torch.float32)
     elif rs.rope_type == "llama3":
         old_ctx = rs.original_max_position_embeddings
         low_wavelen = old_ctx / rs.low_freq_factor

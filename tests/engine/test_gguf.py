@@ -26,7 +26,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_gguf(path, hf_folder, qtype_name: str) -> None:
+def write_gguf(path, hf_folder, qtype_name: str, extra: dict | None = None) -> None:
     import gguf
     from safetensors.torch import load_file
 
@@ -66,6 +66,8 @@ def write_gguf(path, hf_folder, qtype_name: str) -> None:
             w.add_tensor(gname, arr)
         else:
             w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    for gname, arr in (extra or {}).items():  # e.g. rope_freqs, as llama.cpp writes it
+        w.add_tensor(gname, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -131,3 +133,46 @@ def test_a_conversion_reports_its_progress(tiny_model_dir, tmp_path, monkeypatch
     with caplog.at_level(logging.INFO, logger="services.engine.loader"):
         loader.resolve_model(path)  # cached: nothing to convert, nothing said
     assert not caplog.records
+
+
+def _llama_cpp_rope_freqs(cfg) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """What llama.cpp's converter writes for a llama3-scaled model: per-frequency divisors."""
+    rs = cfg.rope_scaling
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim)
+    wavelen = 2 * np.pi / inv
+    low, high = (
+        rs.original_max_position_embeddings / rs.low_freq_factor,
+        (rs.original_max_position_embeddings / rs.high_freq_factor),
+    )
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    mid = 1 / ((1 - smooth) / rs.factor + smooth)
+    out = np.where(wavelen < high, 1.0, np.where(wavelen > low, rs.factor, mid))
+    return out.astype(np.float32)
+
+
+def test_a_gguf_s_rope_freqs_are_honoured(tiny_model_dir, tmp_path, monkeypatch):
+    """Llama-3.1 / 3.2 GGUFs carry their rope scaling as a rope_freqs tensor only: the engine
+    applies it, and its tokens equal transformers' on the llama3-scaled original."""
+    from transformers import AutoModelForCausalLM
+
+    from services.engine.rope import inv_frequencies
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tiny_model_dir("llama3-rope-scaled")
+    ref_cfg = load_model(folder).config
+    freqs = _llama_cpp_rope_freqs(ref_cfg)
+    assert len(set(freqs.tolist())) > 2  # plateau, ramp and unscaled frequencies all present
+    path, plain = tmp_path / "scaled.gguf", tmp_path / "plain.gguf"
+    write_gguf(path, folder, "F32", {"rope_freqs.weight": freqs})
+    write_gguf(plain, folder, "F32")
+    ours = load_model(path)
+    assert ours.config.rope_scaling.rope_type == "freq_factors"
+    torch.testing.assert_close(inv_frequencies(ours.config), inv_frequencies(ref_cfg))
+    assert not torch.allclose(inv_frequencies(load_model(plain).config), inv_frequencies(ref_cfg))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    eng = Engine(ours, None, EngineConfig(num_kv_blocks=64, block_size=4, dtype="float32"))
+    prompt = list(range(3, 60))  # past original_max_position_embeddings (64) when done
+    got = eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    assert got == hf_greedy(hf, prompt, 16, eos=None)
