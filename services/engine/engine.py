@@ -206,10 +206,11 @@ class Engine:
         fused = None
         if FusedDecode.supported(self.model, self.backend.name):
             # NOTE: by role, generated rows run the kernels at any batch: every pure decode
-            # step of up to MAX_BATCH rows fuses; by size, only those the kernels win
-            rows = (
-                MAX_BATCH if self.batch_invariant else kernel_rows(matmul_dtype if pack else None)
-            )
+            # step of up to MAX_BATCH rows fuses; by size, only those the kernels win, except
+            # under speculation: a verification step of up to MAX_BATCH rows must round each
+            # row as a plain one-token step does (lossless), so it runs the same kernels
+            by_kernels = self.batch_invariant or config.speculative_tokens > 0
+            rows = MAX_BATCH if by_kernels else kernel_rows(matmul_dtype if pack else None)
             fused = FusedDecode(self.model, self.cache, self.max_model_len, rows)
         self.runner = ModelRunner(
             self.model, self.cache, self.step_state, self.backend, graphs, fused

@@ -93,7 +93,8 @@ def test_a_stop_inside_accepted_drafts_ends_the_output_there(make_engine, monkey
 
 
 @pytest.mark.slow
-def test_copy_workload_on_smollm2_accepts_drafts_and_keeps_tokens():
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: bf16 matmuls on AMX hosts
+def test_copy_workload_on_smollm2_accepts_drafts_and_keeps_tokens(dtype):
     from pathlib import Path
 
     from services.engine.engine import Engine
@@ -102,7 +103,7 @@ def test_copy_workload_on_smollm2_accepts_drafts_and_keeps_tokens():
     outs, stats = {}, {}
     for k in (0, 4):
         eng = Engine.from_path(
-            None, EngineConfig(num_kv_blocks=256, speculative_tokens=k, dtype="float32")
+            None, EngineConfig(num_kv_blocks=256, speculative_tokens=k, dtype=dtype)
         )
         tok = eng.tokenizer
         chat = [{"role": "user", "content": "Copy this text exactly:\n\n" + text[:700]}]
