@@ -97,10 +97,14 @@ def build_app(cfg: ServeConfig):  # -> serve Application
         index = serve.deployment(
             IndexServer, name="prefix_index", num_replicas=1, ray_actor_options={"num_cpus": 0}
         ).bind()
-    router = RequestRouterConfig(
-        request_router_class=PdRequestRouter,
-        request_routing_stats_period_s=cfg.routing_stats_period_s,
-    )
+
+    def router(pool: str) -> RequestRouterConfig:
+        return RequestRouterConfig(
+            request_router_class=PdRequestRouter,
+            request_router_kwargs={"pool": pool},
+            request_routing_stats_period_s=cfg.routing_stats_period_s,
+        )
+
     # NOTE: engine replicas never check the API token: their config (pickled into Ray's state
     # with each replica's arguments) does not carry it; only the gateway's does
     engine_cfg = cfg.model_copy(update={"auth_token": None, "api_keys": {}})
@@ -112,7 +116,7 @@ def build_app(cfg: ServeConfig):  # -> serve Application
         ray_actor_options=_actor_options(cfg.decode),
         max_ongoing_requests=cfg.decode.max_num_seqs,
         max_queued_requests=cfg.decode.max_queued_requests,
-        request_router_config=router,
+        request_router_config=router("decode"),
         **_shutdown_options(cfg),
     ).bind(engine_cfg, decode_role, index)
     if cfg.mode == "colocated":
@@ -125,7 +129,7 @@ def build_app(cfg: ServeConfig):  # -> serve Application
             ray_actor_options=_actor_options(cfg.prefill),
             max_ongoing_requests=cfg.prefill.max_num_seqs,
             max_queued_requests=cfg.prefill.max_queued_requests,
-            request_router_config=router,
+            request_router_config=router("prefill"),
             **_shutdown_options(cfg),
         ).bind(engine_cfg, index)
     gateway_options: dict[str, Any] = {"num_cpus": 0}

@@ -162,7 +162,9 @@ class EngineReplica:
         s = self.engine.last_stats
         self.metrics.set_gauges(s)
         return {
-            "num_running": s.num_running + s.num_waiting,
+            "num_running": s.num_running + s.num_waiting,  # the router's load
+            "running": s.num_running,  # the gateway's vllm:num_requests_running
+            "waiting": s.num_waiting,
             "blocks_free": s.blocks_free,
             "blocks_total": s.blocks_total,
         }

@@ -25,6 +25,10 @@ and passes what it found as the call's ``route`` keyword, a ``RouteHint``):
   merged with this router's in-flight calls.
 - ``prefix_aware=False`` (``routing: least_loaded``) ignores the index: the baseline.
 Ranks are single replicas in cost order; Serve sends to the first one whose queue has room.
+
+Each router also registers under its pool (``request_router_kwargs``), so the gateway's
+``/metrics`` reads every replica's latest report at scrape time
+(``services.router_registry``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from services import router_registry
 from services.pd_flow import RouteHint
 
 log = logging.getLogger(__name__)
@@ -68,6 +73,9 @@ class PdRequestRouter(RequestRouter):
     is logged and the call goes to any replica."""
 
     def initialize_state(self, **kwargs: Any) -> None:
+        pool = kwargs.get("pool")
+        if pool is not None:
+            router_registry.register(str(pool), self)
         self._lock = threading.Lock()
         self._now = time.monotonic  # a seam for the unit tests' clock
         self._inflight: dict[str, _Call] = {}  # by Serve's internal request id

@@ -40,6 +40,7 @@ from services.engine.tokenizer import Tokenizer
 from services.gateway.admission import Admission, OverloadedError
 from services.gateway.auth import TokenCheck, tenant_salt
 from services.gateway.readiness import Readiness
+from services.gateway.vllm_metrics import VllmMetrics
 from services.pd_flow import (
     GenerateSpec,
     KVRef,
@@ -50,6 +51,7 @@ from services.pd_flow import (
     prefill_on_decode,
 )
 from services.replica import open_index
+from services.router_registry import replica_reports
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +132,11 @@ class Timing:
     prefilled: bool = False
     itls: list[float] = field(default_factory=list)
     last: float | None = None
+    num_output_tokens: int = 0
 
-    def token(self) -> None:
+    def token(self, n: int = 1) -> None:
+        """``n`` tokens arrived together (one chunk)."""
+        self.num_output_tokens += n
         now = time.perf_counter()
         if self.ttft_s is None:
             self.ttft_s = now - self.start
@@ -152,9 +157,19 @@ class Timing:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """pdserve's series, and vLLM's names beside them (``vllm``) when ``model_name`` is given."""
+
+    def __init__(
+        self,
+        model_name: str | None = None,
+        pools: Sequence[str] = (),
+        reports: Callable[[str], Sequence[dict[str, Any]]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.vllm = None
+        if model_name is not None:
+            self.vllm = VllmMetrics(r, model_name, pools, reports or (lambda _pool: ()))
         self.ttft = Histogram(
             "pdserve_ttft_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -219,6 +234,8 @@ class Metrics:
         self._hits = [0, 0, 0, 0]  # hit tokens, prompt tokens, hit requests, requests
 
     def observe_prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
+        if self.vllm is not None:
+            self.vllm.observe_prefix(prompt_tokens, cached_tokens)
         self.prompt_tokens.inc(prompt_tokens)
         self.prefix_hit_tokens.inc(cached_tokens)
         self.prefix_requests.labels(str(cached_tokens > 0).lower()).inc()
@@ -240,7 +257,10 @@ class Metrics:
         self.transfer.observe(t.kv_transfer_s)
         if t.kv_transfer_bytes:
             self.transfer_bytes.observe(t.kv_transfer_bytes)
-        self.e2e.observe((t.last or time.perf_counter()) - t.start)
+        e2e = (t.last or time.perf_counter()) - t.start
+        self.e2e.observe(e2e)
+        if self.vllm is not None:
+            self.vllm.observe(t.ttft_s, t.itls, e2e, t.num_output_tokens)
 
 
 class Gateway:
@@ -266,7 +286,8 @@ class Gateway:
         self.max_model_len = min(
             [self.model_config.max_position_embeddings, *(x for x in limits if x is not None)]
         )
-        self.metrics = Metrics()
+        pools = ["decode"] if prefill is None else ["prefill", "decode"]
+        self.metrics = Metrics(self.model_id, pools, replica_reports)
         self.metrics.index_up.set(1 if self.index is not None else 0)
         self.admission = Admission(
             cfg.max_inflight_requests, cfg.retry_after_s, self.metrics.registry
@@ -356,7 +377,7 @@ class Gateway:
                     out = delivered.unseen(chunk)
                     if out is not None:
                         if out.token_ids:
-                            timing.token()
+                            timing.token(len(out.token_ids))
                         yield out
                 return
             except Exception as e:

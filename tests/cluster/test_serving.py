@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 
 from services.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import BASE, MODEL, complete, deploy, replica_stats, undeploy
+from tests.fixtures import eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -193,6 +195,20 @@ def test_openai_client_streams_chat(cluster):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert httpx.get(f"{BASE}/version", timeout=30).json() == {"version": "0.1.0"}
     assert "pdserve_ttft_seconds_count" in httpx.get(f"{BASE}/metrics").text
+    # vLLM's names, with the model's name; the engine gauges from the replicas' reports
+    # (Ray Serve polls them every routing_stats_period_s: wait for the first)
+    label = f'model_name="{MODEL}"'
+
+    def vllm_series() -> str | None:
+        text = httpx.get(f"{BASE}/metrics", timeout=30).text
+        want = ("vllm:kv_cache_usage_perc{", "vllm:num_requests_running{")
+        return text if all(w + label in text for w in want) else None
+
+    text = eventually(vllm_series, 60, "the vLLM engine gauges", every_s=0.5)
+    assert f"vllm:generation_tokens_total{{{label}}}" in text
+    assert f"vllm:time_to_first_token_seconds_count{{{label}}}" in text
+    usage = re.search(r'vllm:kv_cache_usage_perc\{[^}]*pool="decode"[^}]*\} (\S+)', text)
+    assert usage is not None and 0.0 <= float(usage.group(1)) <= 1.0
 
 
 @pytest.mark.parametrize(
