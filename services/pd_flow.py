@@ -41,6 +41,7 @@ class PrefillResult:
     queue_s: float
     prefill_s: float
     num_cached_tokens: int = 0  # prompt tokens served from this replica's prefix cache
+    first_top_logprobs: tuple[tuple[int, float], ...] | None = None  # with top_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,8 @@ class TokenChunk:
     num_cached_tokens: int = 0
     kv_transfer_s: float = 0.0  # on the first chunk after a KV pull
     kv_transfer_bytes: int = 0  # likewise
+    # with top_logprobs: per token, its most likely tokens as (token, logprob) pairs
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 def prefill_on_decode(

@@ -119,6 +119,9 @@ class DecodeServer(EngineReplica):
                 num_cached_tokens=out.num_cached_tokens,
                 kv_transfer_s=transfer_s,
                 kv_transfer_bytes=transfer_bytes,
+                top_logprobs=(
+                    tuple(out.new_top_logprobs) if out.new_top_logprobs is not None else None
+                ),
             )
             transfer_s, transfer_bytes = 0.0, 0
 

@@ -168,8 +168,12 @@ class FusedDecode:
         group = cfg.num_heads // cfg.num_kv_heads
         self._scores = torch.empty(max(max_model_len, 1) * (group + 2) + 2)  # + row offsets
 
-    def fits(self, meta: AttentionMetadata) -> bool:
-        return sum(meta.query_lens) <= self.max_rows
+    def fits(self, meta: AttentionMetadata, verify: bool = False) -> bool:
+        """``verify``: a speculative verification step. It fuses up to MAX_BATCH rows
+        whatever ``max_rows`` says, so each of its rows rounds as a plain one-token step's
+        row does and one request's speculation is lossless (by step size, rows of several
+        requests' steps round by the step anyway)."""
+        return sum(meta.query_lens) <= (MAX_BATCH if verify else self.max_rows)
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -207,10 +207,10 @@ class Engine:
         if FusedDecode.supported(self.model, self.backend.name):
             # NOTE: by role, generated rows run the kernels at any batch: every pure decode
             # step of up to MAX_BATCH rows fuses; by size, only those the kernels win, except
-            # under speculation: a verification step of up to MAX_BATCH rows must round each
-            # row as a plain one-token step does (lossless), so it runs the same kernels
-            by_kernels = self.batch_invariant or config.speculative_tokens > 0
-            rows = MAX_BATCH if by_kernels else kernel_rows(matmul_dtype if pack else None)
+            # speculative verification steps (FusedDecode.fits)
+            rows = (
+                MAX_BATCH if self.batch_invariant else kernel_rows(matmul_dtype if pack else None)
+            )
             fused = FusedDecode(self.model, self.cache, self.max_model_len, rows)
         self.runner = ModelRunner(
             self.model, self.cache, self.step_state, self.backend, graphs, fused
@@ -313,6 +313,10 @@ class Engine:
             req.sent_tokens = req.num_tokens  # the prefill side already streamed it
             if kv_handle.first_logprob is not None:
                 req.logprobs.append(kv_handle.first_logprob)
+                if params.top_logprobs:
+                    # NOTE: a placeholder keeping positions aligned; the prefill side already
+                    # sent the first token's alternatives, this side never outputs them
+                    req.top_logprobs.append(())
             if req.detok is not None:
                 req.text = req.detok.push(first)
                 req.sent_text = len(req.text)
@@ -393,7 +397,7 @@ class Engine:
             [s.request.seed for s, _ in rows],
             [s.request.num_tokens - s.request.num_prompt + j for s, j in rows],
         )
-        tokens, logprobs = sampled.tokens, sampled.logprobs
+        tokens, logprobs, top = sampled.tokens, sampled.logprobs, sampled.top
         failed = {id(rows[r][0]): why for r, why in sampled.errors.items()}
         emitted = self._verify(sampling, tokens)
         bs = self.config.block_size
@@ -416,7 +420,8 @@ class Engine:
                 continue
             for j, token in enumerate(emitted[id(s)]):
                 lp = None if logprobs is None else logprobs[row + j]
-                self._append_token(s.request, token, lp, now)
+                alts = None if top is None else top[row + j]
+                self._append_token(s.request, token, lp, now, alts)
                 if s.request.finished:
                     break
             row += n
@@ -585,7 +590,14 @@ class Engine:
                 "kv_handle", f"blocks have shape {tuple(handle.blocks.shape)}, expected {want}"
             )
 
-    def _append_token(self, req: Request, token: int, logprob: float | None, now: float) -> None:
+    def _append_token(
+        self,
+        req: Request,
+        token: int,
+        logprob: float | None,
+        now: float,
+        top: tuple[tuple[int, float], ...] | None = None,
+    ) -> None:
         req.token_ids.append(token)
         bs = self.config.block_size
         if req.num_tokens % bs == 0:
@@ -595,6 +607,8 @@ class Engine:
             req.block_hashes.append(hash_block(parent, req.token_ids[-bs:]))
         if logprob is not None and req.params.logprobs:
             req.logprobs.append(logprob)
+            if req.params.top_logprobs:
+                req.top_logprobs.append(top or ())
         t = req.timings
         if t.first_token is None:
             t.first_token = now
@@ -659,6 +673,7 @@ class Engine:
             ttft_s=t.ttft_s,
             error=req.error,
             itls=list(t.itls) if req.finished else None,
+            new_top_logprobs=req.top_logprobs[first_lp:] if req.params.top_logprobs else None,
         )
 
 

@@ -54,7 +54,7 @@ class ModelRunner:
         if (
             self.fused is not None
             and layer_hook is None
-            and self.fused.fits(inp.meta)
+            and self.fused.fits(inp.meta, verify=any(s.draft for s in spans))
             and (inp.roles is None or inp.roles.all_generated)
         ):
             hidden = self.fused.run(inp.input_ids, inp.positions, inp.meta)

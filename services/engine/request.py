@@ -75,6 +75,8 @@ class Request:
     detok: IncrementalDetokenizer | None = None
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    # parallel to logprobs when params.top_logprobs: each position's most likely tokens
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
     num_preemptions: int = 0
     # stream cursors: what the caller has already been given
@@ -117,3 +119,5 @@ class RequestOutput:
     ttft_s: float | None
     itls: list[float] | None  # all gaps, on the final update only
     error: str | None = None  # with FinishReason.ERROR: what failed
+    # with params.top_logprobs: each new token's most likely tokens, (token, logprob) pairs
+    new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None

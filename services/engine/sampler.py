@@ -10,6 +10,7 @@ import torch
 from services.engine.sampling_params import SamplingParams
 
 _MASK = 0x7FFF_FFFF_FFFF_FFFF
+TopLogprobs = tuple[tuple[int, float], ...]
 
 
 def position_seed(seed: int, index: int) -> int:
@@ -25,6 +26,9 @@ class Sampled:
     tokens: list[int]  # per row (a failed row keeps its argmax, which nobody uses)
     logprobs: list[float] | None  # per row, when any row asked
     errors: dict[int, str]  # row -> why its sampling failed
+    # per row, when any row asked for top_logprobs: its (token, logprob) pairs, most likely
+    # first (as many as the row asked for; () for rows that did not)
+    top: list[TopLogprobs] | None = None
 
 
 def sample(
@@ -46,11 +50,19 @@ def sample(
             chosen[row] = _sample_row(logits[row], p, position_seed(seeds[row], indices[row]))
         except RuntimeError as e:  # torch.multinomial: inf / nan / negative probabilities
             errors[row] = f"sampling failed: {e}"
-    logprobs = None
+    logprobs = top = None
     if any(p.logprobs for p in params):
         lp = torch.log_softmax(logits, dim=-1)
         logprobs = lp[torch.arange(len(chosen)), torch.tensor(chosen)].tolist()
-    return Sampled(chosen, logprobs, errors)
+        k = max(p.top_logprobs for p in params)
+        if k:
+            values, ids = lp.topk(k, dim=-1)
+            vs, ix = values.tolist(), ids.tolist()
+            top = [
+                tuple(zip(ix[row][: p.top_logprobs], vs[row][: p.top_logprobs], strict=True))
+                for row, p in enumerate(params)
+            ]
+    return Sampled(chosen, logprobs, errors, top)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int) -> int:

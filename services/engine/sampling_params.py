@@ -10,6 +10,7 @@ MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_CACHE_SALT_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # with logprobs: this many most likely tokens (and their log-probabilities) per position
+    top_logprobs: int = 0
     # NOTE: not a sampling setting, but it travels wherever the request does (prefill,
     # decode, re-prefill, resume): it scopes prefix-cache reuse (services.engine.block_hash)
     cache_salt: str | None = None
@@ -94,6 +97,17 @@ class SamplingParams:
                 "cache_salt",
                 f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
             )
+        if (
+            isinstance(self.top_logprobs, bool)
+            or not isinstance(self.top_logprobs, int)
+            or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                "top_logprobs",
+                f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(
                 "stop_token_ids",

@@ -109,6 +109,10 @@ class Tokenizer:
         self._compiled_template: Any = None
         self._trims: bool | None = None  # whether the template strips message content
         self._as_text_tok: HFTokenizer | None = None
+        self._byte_level = _decoder_type(tok) == "ByteLevel"
+        self._special_ids = {
+            i for i, t in tok.get_added_tokens_decoder().items() if getattr(t, "special", False)
+        }
 
     @classmethod
     def from_folder(cls, folder: Path) -> Tokenizer:
@@ -139,6 +143,25 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character for some byte-level
+        tokens): what OpenAI's logprobs report as ``bytes``."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._special_ids:
+            return piece.encode()
+        if self._byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
 
     def apply_chat_template(
         self, messages: Sequence[ChatMessage | dict[str, str]], add_generation_prompt: bool = True
@@ -264,3 +287,25 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             return delta
         return ""
+
+
+def _decoder_type(tok: HFTokenizer) -> str | None:
+    decoder = json.loads(tok.to_str()).get("decoder") or {}
+    return decoder.get("type")
+
+
+_BYTE_DECODER: dict[str, int] = {}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (the inverse of its bytes_to_unicode)."""
+    if not _BYTE_DECODER:
+        keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+        shift = 0
+        for b in range(256):
+            if b in keep:
+                _BYTE_DECODER[chr(b)] = b
+            else:
+                _BYTE_DECODER[chr(256 + shift)] = b
+                shift += 1
+    return _BYTE_DECODER

@@ -115,9 +115,10 @@ class Delivered:
             return None
         skip = max(0, n - start)
         lps = None if c.logprobs is None else tuple(c.logprobs[skip:])
+        top = None if c.top_logprobs is None else tuple(c.top_logprobs[skip:])
         self.token_ids.extend(new_ids)
         self.text += new_text
-        return replace(c, token_ids=tuple(new_ids), text=new_text, logprobs=lps)
+        return replace(c, token_ids=tuple(new_ids), text=new_text, logprobs=lps, top_logprobs=top)
 
 
 @dataclass(slots=True)
@@ -424,6 +425,11 @@ class Gateway:
                     result.first_text,
                     (result.first_logprob,) if result.first_logprob is not None else None,
                     result.finish_reason,
+                    top_logprobs=(
+                        (result.first_top_logprobs,)
+                        if result.first_top_logprobs is not None
+                        else None
+                    ),
                 )
                 if result.finish_reason is not None:  # ended at its first token
                     if receiving is not None:

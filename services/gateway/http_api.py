@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 
 from services.engine.errors import InvalidRequestError, RequestFailedError
+from services.gateway import logprobs
 from services.gateway.admission import OverloadedError
 from services.gateway.body import PayloadTooLargeError, check_size, decode
 from services.gateway.gateway import Gateway, ServiceUnavailableError, Timing
@@ -183,6 +184,14 @@ def build_http_app(gw: Gateway) -> FastAPI:
             ],
         }
 
+    def _logprobs(params, chat, ids, lps, top, offset=0):  # type: ignore[no-untyped-def]
+        """OpenAI's logprobs body for these tokens, and the completion text offset after
+        them (``services.gateway.logprobs``)."""
+        alts = top if params.top_logprobs else None
+        if chat:
+            return logprobs.chat(gw.tokenizer, ids, lps, alts), offset
+        return logprobs.completion(gw.tokenizer, ids, lps, alts, offset)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         req: TokenizeRequest = parse(TokenizeRequest, await body_of(request))
@@ -218,7 +227,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
         assert isinstance(req, CompletionRequest)
         gw.check_model(req.model)
         ids = await gw.tokenized(gw.prompt_ids, req.prompt)
-        spec = gw.spec(ids, req.sampling_params(16, bool(req.logprobs)), _tenant(request))
+        spec = gw.spec(ids, req.params(16), _tenant(request))
         return await respond(spec, req.stream, chat=False, usage_event=req.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -228,7 +237,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
         gw.check_model(req.model)
         ids = await gw.tokenized(gw.chat_ids, [m.model_dump() for m in req.messages])
         default = req.max_completion_tokens or max(1, gw.max_model_len - len(ids))
-        spec = gw.spec(ids, req.sampling_params(default, req.logprobs), _tenant(request))
+        spec = gw.spec(ids, req.params(default), _tenant(request))
         return await respond(spec, req.stream, chat=True, usage_event=req.include_usage)
 
     async def respond(spec, stream: bool, chat: bool, usage_event: bool = False):  # type: ignore[no-untyped-def]
@@ -240,11 +249,13 @@ def build_http_app(gw: Gateway) -> FastAPI:
             ids: list[int] = []
             text: list[str] = []
             lps: list[float] = []
+            top: list[tuple[tuple[int, float], ...]] = []
             finish = None
             async for c in chunks:
                 ids.extend(c.token_ids)
                 text.append(c.text)
                 lps.extend(c.logprobs or ())
+                top.extend(c.top_logprobs or ())
                 finish = c.finish_reason or finish
             gw.metrics.observe(timing)
             gw.metrics.requests.labels("ok").inc()
@@ -254,7 +265,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
             else:
                 choice["text"] = "".join(text)
             if spec.params.logprobs:
-                choice["logprobs"] = {"token_logprobs": lps}
+                choice["logprobs"] = _logprobs(spec.params, chat, ids, lps, top)[0]
             return {
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
@@ -279,8 +290,10 @@ def build_http_app(gw: Gateway) -> FastAPI:
         with ``usage`` and ``pdserve_timing`` and empty ``choices``; then ``[DONE]``."""
         n_out = 0
         obj = "chat.completion.chunk" if chat else "text_completion"
+        offset = 0  # characters of completion text streamed (completions' text_offset)
 
         def event(c) -> str:  # type: ignore[no-untyped-def]
+            nonlocal offset
             choice: dict[str, Any] = {
                 "index": 0,
                 "finish_reason": c.finish_reason,
@@ -290,6 +303,12 @@ def build_http_app(gw: Gateway) -> FastAPI:
                 choice["delta"] = {"role": "assistant", "content": c.text}
             else:
                 choice["text"] = c.text
+            if spec.params.logprobs:
+                lps = list(c.logprobs or ())[: len(c.token_ids)]
+                top = list(c.top_logprobs or ())[: len(c.token_ids)]
+                choice["logprobs"], offset = _logprobs(
+                    spec.params, chat, list(c.token_ids), lps, top, offset
+                )
             return (
                 "data: "
                 + json.dumps(

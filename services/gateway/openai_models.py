@@ -51,7 +51,6 @@ UNSUPPORTED: dict[str, frozenset[str]] = {
             "suffix",
             "tool_choice",
             "tools",
-            "top_logprobs",
             "user",
             "web_search_options",
             "audio",
@@ -113,7 +112,9 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, default_max_tokens: int, logprobs: bool) -> SamplingParams:
+    def sampling_params(
+        self, default_max_tokens: int, logprobs: bool, top_logprobs: int = 0
+    ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "only allowed when stream is true")
         if self.n != 1:
@@ -128,13 +129,24 @@ class _Sampling(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
             cache_salt=self.cache_salt,
         )
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(description="text, or token ids")
-    logprobs: int | None = Field(None, ge=0, le=1, description="1 = logprob of each chosen token")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="the chosen tokens' log-probabilities and this many alternatives per "
+        "position (0: none)",
+    )
+
+    def params(self, default_max_tokens: int) -> SamplingParams:
+        n = self.logprobs
+        return self.sampling_params(default_max_tokens, n is not None, n or 0)
 
 
 class TextPart(BaseModel):
@@ -160,6 +172,14 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="alternatives per position (needs logprobs: true)"
+    )
+
+    def params(self, default_max_tokens: int) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        return self.sampling_params(default_max_tokens, self.logprobs, self.top_logprobs or 0)
 
 
 class TokenizeRequest(BaseModel):

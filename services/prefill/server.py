@@ -112,6 +112,7 @@ class PrefillServer(EngineReplica):
             queue_s=queue_s,
             prefill_s=prefill_s,
             num_cached_tokens=out.num_cached_tokens,
+            first_top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else None,
         )
 
     def corrupt_next_kv_pieces(self, n: int) -> str:

@@ -71,6 +71,58 @@ def test_logprobs_are_of_the_chosen_tokens(make_engine):
     assert len(lps) == 6 and all(lp <= 0 for lp in lps)
 
 
+def test_top_logprobs_are_the_most_likely_tokens_of_each_position(make_engine):
+    eng = make_engine()
+    sampled = SamplingParams(
+        max_tokens=6, temperature=1.0, seed=3, logprobs=True, top_logprobs=4, ignore_eos=True
+    )
+    eng.add_request("t", PROMPT, sampled)
+    eng.add_request("plain", PROMPT, SamplingParams(max_tokens=6, logprobs=True, seed=3))
+    outs = _collect(eng)
+    got = [o for o in outs if o.request_id == "t"]
+    ids = [t for o in got for t in o.new_token_ids]
+    lps = [lp for o in got for lp in o.new_logprobs]
+    top = [alts for o in got for alts in o.new_top_logprobs]
+    assert len(top) == len(ids) == 6
+    for token, lp, alts in zip(ids, lps, top, strict=True):
+        values = [v for _, v in alts]
+        assert len(alts) == 4 and values == sorted(values, reverse=True)
+        assert lp <= values[0] + 1e-6  # the chosen token is at most as likely as the best
+        if token in dict(alts):
+            assert abs(dict(alts)[token] - lp) < 1e-5  # the same distribution
+    assert all(o.new_top_logprobs is None for o in outs if o.request_id == "plain")
+
+
+def test_top_logprobs_rows_ask_for_their_own_count():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [
+        SamplingParams(temperature=0, logprobs=True, top_logprobs=5),
+        SamplingParams(temperature=0, logprobs=True),
+        SamplingParams(temperature=0, logprobs=True, top_logprobs=2),
+    ]
+    out = sample(logits, params, [0, 0, 0], [0, 0, 0])
+    assert out.top is not None and [len(t) for t in out.top] == [5, 0, 2]
+    ref = torch.log_softmax(logits, -1).topk(5)
+    assert [t for t, _ in out.top[0]] == ref.indices[0].tolist()
+    assert out.top[2][0][0] == out.tokens[2]  # greedy: the chosen token is the top one
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(top_logprobs=2),
+        dict(logprobs=True, top_logprobs=21),
+        dict(logprobs=True, top_logprobs=-1),
+    ],
+)
+def test_bad_top_logprobs_are_refused_by_name(kwargs):
+    from services.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.create(**kwargs)
+    assert e.value.field == "top_logprobs"
+
+
 def test_stop_token_ids_and_max_tokens_and_eos(make_engine):
     eng = make_engine()
     (free_run,) = eng.generate(
