@@ -16,6 +16,7 @@ from services.engine.cpu_decode import FusedDecode
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.kv_cache import KVCache
 from services.engine.model import LayerHook, LlamaModel
+from services.engine.row_roles import ALL_GENERATED
 from services.engine.scheduler import ScheduledSpan
 from services.engine.step_state import StepState
 
@@ -51,14 +52,18 @@ class ModelRunner:
         inp = self.state.build(spans)
         # NOTE: the fused step runs every row by the decode kernels: with roles (batch
         # invariance) only a step of generated rows may take it
+        verify = any(s.draft for s in spans)
         if (
             self.fused is not None
             and layer_hook is None
-            and self.fused.fits(inp.meta, verify=any(s.draft for s in spans))
+            and self.fused.fits(inp.meta, verify)
             and (inp.roles is None or inp.roles.all_generated)
         ):
             hidden = self.fused.run(inp.input_ids, inp.positions, inp.meta)
-            return self.model.lm_head(hidden[inp.logits_idx], inp.sampled_roles).float()
+            # NOTE: a verification step's rows take the decode kernels in the lm_head too,
+            # as a plain one-token step's row does (by step size, 5 rows would not)
+            roles = inp.sampled_roles or (ALL_GENERATED if verify else None)
+            return self.model.lm_head(hidden[inp.logits_idx], roles).float()
         return self.model.forward(
             inp.input_ids,
             inp.positions,

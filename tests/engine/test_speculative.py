@@ -111,10 +111,11 @@ def test_copy_workload_on_smollm2_accepts_drafts_and_keeps_tokens(dtype):
         # a first request caches the prompt: the runs below compute only its tail, a step
         # short enough to fuse (it must round as it does without speculation)
         eng.generate([ids], SamplingParams(max_tokens=4, temperature=0))
-        outs[k] = [
-            eng.generate([ids], SamplingParams(max_tokens=48, temperature=0))[0],
-            eng.generate([ids], SamplingParams(max_tokens=48, temperature=0.7, seed=2))[0],
-        ]
+        # tokens and log-probabilities, bit for bit (the logprobs catch a row that rounds
+        # differently even where the argmax survives it)
+        greedy = SamplingParams(max_tokens=48, temperature=0, logprobs=True)
+        seeded = SamplingParams(max_tokens=48, temperature=0.7, seed=2, logprobs=True)
+        outs[k] = [_run(eng, [ids], greedy), _run(eng, [ids], seeded)]
         stats[k] = eng.stats()
     assert outs[4] == outs[0]
     # measured: 38 of 138 drafts over the two runs (the seeded run accepts fewer)
