@@ -151,8 +151,16 @@ def test_chat_body_translates_to_sampling_params():
     )
     p = req.sampling_params(100, req.logprobs)
     assert (p.greedy, p.stop, p.seed, p.max_tokens, p.logprobs) == (True, ("END",), 3, 100, True)
-    with pytest.raises(InvalidRequestError, match="n"):
-        parse(CompletionRequest, {"model": "m", "prompt": "x", "n": 2}).sampling_params(1, False)
+    for n in (0, 17):
+        with pytest.raises(InvalidRequestError) as e:
+            parse(CompletionRequest, {"model": "m", "prompt": "x", "n": n})
+        assert e.value.field == "n"
+    batch = parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"], "n": 2})
+    assert batch.prompts() == ["a", "b"]
+    assert parse(CompletionRequest, {"model": "m", "prompt": [5, 6]}).prompts() == [[5, 6]]
+    with pytest.raises(InvalidRequestError) as e:
+        parse(CompletionRequest, {"model": "m", "prompt": ["a"] * 9, "n": 8}).prompts()
+    assert e.value.field == "prompt"
     with pytest.raises(InvalidRequestError) as e:
         parse(ChatCompletionRequest, {"model": "m", "messages": []})
     assert e.value.field == "messages"

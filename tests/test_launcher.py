@@ -74,10 +74,13 @@ def test_serve_gets_ready_drains_on_sigterm_and_exits_promptly(tmp_path):
             f"{base}/v1/completions", timeout=300, json={**body, "max_tokens": 4}, headers=AUTH
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        # a long streamed request is in flight when SIGTERM comes: it still gets every token
+        # a long streamed request is in flight when SIGTERM comes: it still gets every token.
+        # NOTE: long enough that the drain outlasts the checks below (64 tokens took 0.5 s on
+        # an AMX host, and the server had exited before /ready was asked); well inside the
+        # 20 s shutdown grace on the slowest CI kind (about 50 ms a token under load)
         with httpx.stream(
             "POST", f"{base}/v1/completions", timeout=300,
-            json={**body, "max_tokens": 64, "stream": True}, headers=AUTH,
+            json={**body, "max_tokens": 256, "stream": True}, headers=AUTH,
         ) as stream:  # fmt: skip
             lines = stream.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
@@ -93,7 +96,7 @@ def test_serve_gets_ready_drains_on_sigterm_and_exits_promptly(tmp_path):
             rest = [line for line in lines if line.startswith("data: ")]
         events = [json.loads(x[6:]) for x in [first, *rest] if x != "data: [DONE]"]
         tokens = sum(len(c["token_ids"]) for e in events for c in e.get("choices", []))
-        assert tokens == 64 and rest[-1] == "data: [DONE]"  # drained, not cut
+        assert tokens == 256 and rest[-1] == "data: [DONE]"  # drained, not cut
         assert refused.status_code == 503  # while draining
         t = time.monotonic()
         assert proc.wait(timeout=60) == 0

@@ -346,6 +346,25 @@ class Gateway:
             params = replace(params, seed=secrets.randbits(63))
         return GenerateSpec(f"req-{secrets.token_hex(8)}", tuple(prompt_ids), params)
 
+    @staticmethod
+    def isolate_calls() -> None:
+        """Give this task's replica calls their own Ray Serve request id. Serve takes a call's
+        internal id from the HTTP request's context, and concurrent calls with one id to the
+        same deployment collide in its router's bookkeeping (and ours): the calls of a
+        request's several choices stalled. NOTE: Serve's context variable is private API;
+        outside a Serve replica there is none, and nothing is done."""
+        try:
+            from ray.serve import context
+            from ray.serve._private.utils import generate_request_id
+        except ImportError:
+            return
+        var = getattr(context, "_serve_request_context", None)
+        if var is None:
+            return
+        ctx = var.get()
+        if ctx is not None:
+            var.set(replace(ctx, _internal_request_id=generate_request_id()))
+
     # ---- the flow ------------------------------------------------------------------------
     async def generate(self, spec: GenerateSpec, timing: Timing) -> AsyncIterator[TokenChunk]:
         """Streams every token of the request, first token included. Raises OverloadedError

@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +22,7 @@ from services.engine.errors import InvalidRequestError, RequestFailedError
 from services.gateway import logprobs
 from services.gateway.admission import OverloadedError
 from services.gateway.body import PayloadTooLargeError, check_size, decode
+from services.gateway.choices import MergedFlows, choice_seed
 from services.gateway.gateway import Gateway, ServiceUnavailableError, Timing
 from services.gateway.openai_models import (
     ChatCompletionRequest,
@@ -226,9 +228,10 @@ def build_http_app(gw: Gateway) -> FastAPI:
         req = parse(CompletionRequest, await body_of(request))
         assert isinstance(req, CompletionRequest)
         gw.check_model(req.model)
-        ids = await gw.tokenized(gw.prompt_ids, req.prompt)
-        spec = gw.spec(ids, req.params(16), _tenant(request))
-        return await respond(spec, req.stream, chat=False, usage_event=req.include_usage)
+        params = req.params(16)
+        prompts = [await gw.tokenized(gw.prompt_ids, p) for p in req.prompts()]
+        specs = choice_specs(prompts, req.n, params, _tenant(request))
+        return await respond(specs, req.n, req.stream, chat=False, usage_event=req.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):  # type: ignore[no-untyped-def]
@@ -237,65 +240,96 @@ def build_http_app(gw: Gateway) -> FastAPI:
         gw.check_model(req.model)
         ids = await gw.tokenized(gw.chat_ids, [m.model_dump() for m in req.messages])
         default = req.max_completion_tokens or max(1, gw.max_model_len - len(ids))
-        spec = gw.spec(ids, req.params(default), _tenant(request))
-        return await respond(spec, req.stream, chat=True, usage_event=req.include_usage)
+        specs = choice_specs([ids], req.n, req.params(default), _tenant(request))
+        return await respond(specs, req.n, req.stream, chat=True, usage_event=req.include_usage)
 
-    async def respond(spec, stream: bool, chat: bool, usage_event: bool = False):  # type: ignore[no-untyped-def]
-        timing = Timing()
+    def choice_specs(prompts, n, params, tenant):  # type: ignore[no-untyped-def]
+        """One spec per choice: prompt p's choice i is choice p * n + i (OpenAI's order)."""
+        return [
+            gw.spec(ids, replace(params, seed=choice_seed(params.seed, i)), tenant)
+            for ids in prompts
+            for i in range(n)
+        ]
+
+    def usage_of(specs, n, n_out, timings):  # type: ignore[no-untyped-def]
+        """Each prompt counted once (its first choice's), every choice's output."""
+        firsts = range(0, len(specs), n)
+        return usage(
+            sum(len(specs[j].prompt_ids) for j in firsts),
+            n_out,
+            sum(timings[j].num_cached_tokens for j in firsts),
+        )
+
+    async def respond(specs, n: int, stream: bool, chat: bool, usage_event: bool = False):  # type: ignore[no-untyped-def]
+        timings = [Timing() for _ in specs]
         created = int(time.time())
-        rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
-        chunks = gw.generate(spec, timing)
+        rid = ("chatcmpl-" if chat else "cmpl-") + specs[0].request_id
+        # NOTE: every flow's first chunk before answering, so refusals keep their status code
+        merged = MergedFlows(
+            [gw.generate(s, t) for s, t in zip(specs, timings, strict=True)],
+            leaders=range(0, len(specs), n),
+            isolate=gw.isolate_calls,
+        )
+        await merged.start()
         if not stream:
-            ids: list[int] = []
-            text: list[str] = []
-            lps: list[float] = []
-            top: list[tuple[tuple[int, float], ...]] = []
-            finish = None
-            async for c in chunks:
-                ids.extend(c.token_ids)
-                text.append(c.text)
-                lps.extend(c.logprobs or ())
-                top.extend(c.top_logprobs or ())
-                finish = c.finish_reason or finish
-            gw.metrics.observe(timing)
+            ids: list[list[int]] = [[] for _ in specs]
+            text: list[list[str]] = [[] for _ in specs]
+            lps: list[list[float]] = [[] for _ in specs]
+            top: list[list[tuple[tuple[int, float], ...]]] = [[] for _ in specs]
+            finish: list[str | None] = [None for _ in specs]
+            try:
+                async for j, c in merged:
+                    ids[j].extend(c.token_ids)
+                    text[j].append(c.text)
+                    lps[j].extend(c.logprobs or ())
+                    top[j].extend(c.top_logprobs or ())
+                    finish[j] = c.finish_reason or finish[j]
+            finally:
+                await merged.aclose()
+            for t in timings:
+                gw.metrics.observe(t)
             gw.metrics.requests.labels("ok").inc()
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": ids}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": "".join(text)}
-            else:
-                choice["text"] = "".join(text)
-            if spec.params.logprobs:
-                choice["logprobs"] = _logprobs(spec.params, chat, ids, lps, top)[0]
+            choices = []
+            for j, spec in enumerate(specs):
+                choice: dict[str, Any] = {
+                    "index": j,
+                    "finish_reason": finish[j],
+                    "token_ids": ids[j],
+                }
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": "".join(text[j])}
+                else:
+                    choice["text"] = "".join(text[j])
+                if spec.params.logprobs:
+                    choice["logprobs"] = _logprobs(spec.params, chat, ids[j], lps[j], top[j])[0]
+                choices.append(choice)
             return {
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": created,
                 "model": gw.model_id,
-                "choices": [choice],
-                "usage": usage(len(spec.prompt_ids), len(ids), timing.num_cached_tokens),
-                "pdserve_timing": timing.as_dict(),
+                "choices": choices,
+                "usage": usage_of(specs, n, sum(map(len, ids)), timings),
+                "pdserve_timing": timings[0].as_dict(),
             }
-        # NOTE: start the flow before answering 200, so prefill errors still get a status code.
-        it = chunks.__aiter__()
-        first = await it.__anext__()
         return SourceClosingResponse(
-            sse(spec, rid, created, chat, first, it, timing, usage_event),
-            it,
+            sse(specs, n, rid, created, chat, merged, timings, usage_event),
+            merged,
             media_type="text/event-stream",
         )
 
-    async def sse(spec, rid, created, chat, first, it, timing, usage_event) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+    async def sse(specs, n, rid, created, chat, merged, timings, usage_event) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
         """Content events (every one with a choice, so clients may read ``choices[0]``), then,
         only when the client asked (``stream_options.include_usage``, as OpenAI), one event
         with ``usage`` and ``pdserve_timing`` and empty ``choices``; then ``[DONE]``."""
         n_out = 0
         obj = "chat.completion.chunk" if chat else "text_completion"
-        offset = 0  # characters of completion text streamed (completions' text_offset)
+        offsets = [0] * len(specs)  # characters streamed per choice (completions' text_offset)
 
-        def event(c) -> str:  # type: ignore[no-untyped-def]
-            nonlocal offset
+        def event(j, c) -> str:  # type: ignore[no-untyped-def]
+            spec = specs[j]
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": j,
                 "finish_reason": c.finish_reason,
                 "token_ids": list(c.token_ids),
             }
@@ -306,8 +340,8 @@ def build_http_app(gw: Gateway) -> FastAPI:
             if spec.params.logprobs:
                 lps = list(c.logprobs or ())[: len(c.token_ids)]
                 top = list(c.top_logprobs or ())[: len(c.token_ids)]
-                choice["logprobs"], offset = _logprobs(
-                    spec.params, chat, list(c.token_ids), lps, top, offset
+                choice["logprobs"], offsets[j] = _logprobs(
+                    spec.params, chat, list(c.token_ids), lps, top, offsets[j]
                 )
             return (
                 "data: "
@@ -324,14 +358,9 @@ def build_http_app(gw: Gateway) -> FastAPI:
             )
 
         try:
-            c = first
-            while True:
+            async for j, c in merged:
                 n_out += len(c.token_ids)
-                yield event(c)
-                try:
-                    c = await it.__anext__()
-                except StopAsyncIteration:
-                    break
+                yield event(j, c)
             if usage_event:
                 tail = {
                     "id": rid,
@@ -339,12 +368,13 @@ def build_http_app(gw: Gateway) -> FastAPI:
                     "created": created,
                     "model": gw.model_id,
                     "choices": [],
-                    "usage": usage(len(spec.prompt_ids), n_out, timing.num_cached_tokens),
-                    "pdserve_timing": timing.as_dict(),
+                    "usage": usage_of(specs, n, n_out, timings),
+                    "pdserve_timing": timings[0].as_dict(),
                 }
                 yield "data: " + json.dumps(tail) + "\n\n"
             yield "data: [DONE]\n\n"
-            gw.metrics.observe(timing)
+            for t in timings:
+                gw.metrics.observe(t)
             gw.metrics.requests.labels("ok").inc()
         except (ServiceUnavailableError, OverloadedError) as e:
             # NOTE: after the 200 the status travels in the event (OpenAI's convention)
@@ -362,7 +392,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
             err = {"message": f"the request failed: {e}", "type": "internal_error", "code": 500}
             yield "data: " + json.dumps({"error": err}) + "\n\n"
         finally:
-            await it.aclose()
+            await merged.aclose()
 
     return app
 

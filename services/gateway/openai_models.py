@@ -27,6 +27,8 @@ class StreamOptions(BaseModel):
     )
 
 
+MAX_CHOICES = 64  # choices in one response (prompts x n)
+
 # body kind -> fields pdserve does not implement (refused by name unless neutral)
 UNSUPPORTED: dict[str, frozenset[str]] = {
     "sampling": frozenset(
@@ -101,7 +103,9 @@ class _Sampling(BaseModel):
     ignore_eos: bool = Field(False, description="extension")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, description="only 1 is supported")
+    n: int = Field(
+        1, ge=1, le=16, description="choices per prompt (each its own sample; seed + i with a seed)"
+    )
     cache_salt: str | None = Field(
         None,
         description="as vLLM's: requests with different salts never share prefix-cache blocks "
@@ -117,8 +121,6 @@ class _Sampling(BaseModel):
     ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "only allowed when stream is true")
-        if self.n != 1:
-            raise InvalidRequestError("n", "only n=1 is supported")
         return SamplingParams.create(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=self.temperature,
@@ -135,7 +137,20 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(description="text, or token ids")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="text or token ids, or a list of either (a batch: n choices for each)"
+    )
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        if len(p) * self.n > MAX_CHOICES:
+            raise InvalidRequestError(
+                "prompt", f"{len(p)} prompts x n {self.n} is over {MAX_CHOICES} choices"
+            )
+        return list(p)  # type: ignore[arg-type]
+
     logprobs: int | None = Field(
         None,
         ge=0,

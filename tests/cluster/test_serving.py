@@ -252,6 +252,42 @@ def test_openai_client_reads_logprobs_streamed_and_not(cluster):
     assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == 0
 
 
+def test_n_choices_and_batched_prompts(cluster):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused")
+    msgs = [{"role": "user", "content": "Say a word."}]
+    ask = dict(model=MODEL, messages=msgs, max_tokens=6, temperature=1.0, seed=11, n=3)
+    r = client.chat.completions.create(**ask)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1  # each choice its own sample (seed + i)
+    again = client.chat.completions.create(**ask)
+    assert [c.message.content for c in again.choices] == texts  # and reproducible
+    assert r.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in r.choices)
+    streamed: dict[int, str] = {}
+    for ev in client.chat.completions.create(**ask, stream=True):
+        for c in ev.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert [streamed[i] for i in range(3)] == texts
+    # greedy, a batch of two prompts with n=2: prompt p's choice i is choice 2p + i
+    c = client.completions.create(
+        model=MODEL, prompt=["The sky is", "Water is"], max_tokens=4, temperature=0, n=2
+    )
+    by_index = {x.index: x.text for x in c.choices}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    assert by_index[0] == by_index[1] != by_index[2] == by_index[3]
+    one = client.completions.create(model=MODEL, prompt="Water is", max_tokens=4, temperature=0)
+    assert one.choices[0].text == by_index[2]
+    prompt_tokens = len(
+        httpx.post(f"{BASE}/tokenize", json={"prompt": "The sky is"}).json()["tokens"]
+    )
+    prompt_tokens += len(
+        httpx.post(f"{BASE}/tokenize", json={"prompt": "Water is"}).json()["tokens"]
+    )
+    assert c.usage.prompt_tokens == prompt_tokens  # each prompt once, whatever n
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
