@@ -166,6 +166,15 @@ def test_chat_body_translates_to_sampling_params():
     assert e.value.field == "messages"
 
 
+def test_min_tokens_and_logit_bias_reach_the_sampling_params():
+    body = {"model": "m", "prompt": "x", "min_tokens": 3, "logit_bias": {"50": -100, "7": 5}}
+    p = parse(CompletionRequest, body).params(10)
+    assert p.min_tokens == 3 and p.logit_bias == ((7, 5.0), (50, -100.0))
+    with pytest.raises(InvalidRequestError) as e:
+        parse(CompletionRequest, {**body, "logit_bias": {"abc": 1}}).params(10)
+    assert e.value.field == "logit_bias"
+
+
 def test_conditional_disaggregation_rule():
     assert prefill_on_decode("colocated", 1000, 0, 0)
     assert not prefill_on_decode("disaggregated", 5, 0, 0)  # threshold 0: never

@@ -396,6 +396,7 @@ class Engine:
             [s.request.params for s, _ in rows],
             [s.request.seed for s, _ in rows],
             [s.request.num_tokens - s.request.num_prompt + j for s, j in rows],
+            self.eos_token_ids,
         )
         tokens, logprobs, top = sampled.tokens, sampled.logprobs, sampled.top
         failed = {id(rows[r][0]): why for r, why in sampled.errors.items()}

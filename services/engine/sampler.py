@@ -36,6 +36,7 @@ def sample(
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
     indices: Sequence[int],  # output index each row samples
+    eos_ids: frozenset[int] = frozenset(),
 ) -> Sampled:
     """The chosen token per row and, if any row asked, the log-probability of each chosen
     token under the model's unmodified distribution (before temperature and filters).
@@ -44,10 +45,14 @@ def sample(
     chosen = logits.argmax(dim=-1).tolist()
     errors: dict[int, str] = {}
     for row, p in enumerate(params):
+        x = _adjusted(logits[row], p, indices[row], eos_ids)
         if p.greedy:
+            if x is not None:
+                chosen[row] = int(x.argmax())
             continue
         try:
-            chosen[row] = _sample_row(logits[row], p, position_seed(seeds[row], indices[row]))
+            row_logits = logits[row] if x is None else x
+            chosen[row] = _sample_row(row_logits, p, position_seed(seeds[row], indices[row]))
         except RuntimeError as e:  # torch.multinomial: inf / nan / negative probabilities
             errors[row] = f"sampling failed: {e}"
     logprobs = top = None
@@ -63,6 +68,25 @@ def sample(
                 for row, p in enumerate(params)
             ]
     return Sampled(chosen, logprobs, errors, top)
+
+
+def _adjusted(
+    logits: torch.Tensor, p: SamplingParams, index: int, eos_ids: frozenset[int]
+) -> torch.Tensor | None:
+    """The row's logits with its ``logit_bias`` added and, before ``min_tokens``, its EOS and
+    stop tokens removed; None when neither applies (the logits as they are)."""
+    banned: set[int] = set()
+    if index < p.min_tokens:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+    if not p.logit_bias and not banned:
+        return None
+    x = logits.clone()
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
+        x.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=x.device))
+    if banned:
+        x[torch.tensor(sorted(banned), device=x.device)] = float("-inf")
+    return x
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int) -> int:

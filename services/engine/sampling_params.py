@@ -11,6 +11,7 @@ MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_CACHE_SALT_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+MAX_LOGIT_BIAS = 300  # biased tokens per request (OpenAI's limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,10 @@ class SamplingParams:
     logprobs: bool = False
     # with logprobs: this many most likely tokens (and their log-probabilities) per position
     top_logprobs: int = 0
+    # no EOS / stop token is drawn, and no stop ends the output, before this many tokens
+    min_tokens: int = 0
+    # (token id, bias in [-100, 100]) added to the logits before sampling, as OpenAI's
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # NOTE: not a sampling setting, but it travels wherever the request does (prefill,
     # decode, re-prefill, resume): it scopes prefix-cache reuse (services.engine.block_hash)
     cache_salt: str | None = None
@@ -108,6 +113,23 @@ class SamplingParams:
             )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs")
+        if (
+            isinstance(self.min_tokens, bool)
+            or not isinstance(self.min_tokens, int)
+            or not 0 <= self.min_tokens <= self.max_tokens
+        ):
+            raise InvalidRequestError(
+                "min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0
+            and _is_number(b) and -100 <= b <= 100
+            for t, b in self.logit_bias
+        ):  # fmt: skip
+            raise InvalidRequestError(
+                "logit_bias",
+                f"at most {MAX_LOGIT_BIAS} token ids, each with a bias in [-100, 100]",
+            )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(
                 "stop_token_ids",
@@ -158,6 +180,8 @@ def check_prompt(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt
     ):
         raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab_size})")
+    if any(t >= vocab_size for t, _ in params.logit_bias):
+        raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab_size})")
     if len(prompt) >= max_model_len:
         raise InvalidRequestError(
             "prompt", f"has {len(prompt)} tokens; the model's context is {max_model_len} tokens"

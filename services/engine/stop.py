@@ -15,6 +15,10 @@ class StopChecker:
         """Called after ``token`` was appended (and detokenized); truncates ``req.text`` at a
         stop string. Returns the finish reason, or None to continue."""
         p = req.params
+        if req.num_tokens - req.num_prompt < p.min_tokens:
+            # NOTE: no EOS, stop token or stop string ends it before min_tokens (the sampler
+            # does not draw EOS and stop tokens there); the limits still do
+            return FinishReason.LENGTH if req.num_tokens >= max_model_len else None
         if (not p.ignore_eos and token in eos_ids) or token in p.stop_token_ids:
             return FinishReason.STOP
         if p.stop:

@@ -38,9 +38,7 @@ UNSUPPORTED: dict[str, frozenset[str]] = {
             "frequency_penalty",
             "function_call",
             "functions",
-            "logit_bias",
             "metadata",
-            "min_tokens",
             "modalities",
             "parallel_tool_calls",
             "prediction",
@@ -106,11 +104,23 @@ class _Sampling(BaseModel):
     n: int = Field(
         1, ge=1, le=16, description="choices per prompt (each its own sample; seed + i with a seed)"
     )
+    min_tokens: int = Field(0, ge=0, description="no EOS / stop before this many tokens")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string, OpenAI's) -> bias in [-100, 100]"
+    )
     cache_salt: str | None = Field(
         None,
         description="as vLLM's: requests with different salts never share prefix-cache blocks "
         "(and cached_tokens says nothing across them); one per tenant",
     )
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise InvalidRequestError("logit_bias", f"keys are token ids, got {key!r}")
+            out.append((int(key), float(bias)))
+        return tuple(sorted(out))
 
     @property
     def include_usage(self) -> bool:
@@ -132,6 +142,8 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            min_tokens=self.min_tokens,
+            logit_bias=self._logit_bias(),
             cache_salt=self.cache_salt,
         )
 

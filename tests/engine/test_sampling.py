@@ -123,6 +123,49 @@ def test_bad_top_logprobs_are_refused_by_name(kwargs):
     assert e.value.field == "top_logprobs"
 
 
+def test_logit_bias_forces_and_forbids_tokens(make_engine):
+    eng = make_engine()
+    free = eng.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    forced = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias=((77, 100.0),))
+    assert eng.generate([PROMPT], forced)[0] == [77] * 6
+    banned = tuple((t, -100.0) for t in set(free))
+    again = eng.generate(
+        [PROMPT],
+        SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True, logit_bias=banned),
+    )[0]
+    assert not set(again) & set(free)
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens(make_engine):
+    eng = make_engine()
+    eos_first = SamplingParams(max_tokens=8, temperature=0, logit_bias=((2, 100.0),))  # 2 = EOS
+    assert eng.generate([PROMPT], eos_first)[0] == [2]  # ends at once
+    held = SamplingParams(max_tokens=8, temperature=0, logit_bias=((2, 100.0),), min_tokens=5)
+    out = eng.generate([PROMPT], held)[0]
+    assert len(out) == 6 and 2 not in out[:5] and out[5] == 2  # EOS as soon as it may
+    stop = SamplingParams(
+        max_tokens=8, temperature=0, logit_bias=((9, 100.0),), stop_token_ids=(9,), min_tokens=3
+    )
+    out = eng.generate([PROMPT], stop)[0]
+    assert len(out) == 4 and out[-1] == 9 and 9 not in out[:3]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+        (dict(logit_bias=((5, 101.0),)), "logit_bias"),
+        (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
+    ],
+)
+def test_bad_min_tokens_and_logit_bias_are_refused_by_name(kwargs, field):
+    from services.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.create(**kwargs)
+    assert e.value.field == field
+
+
 def test_stop_token_ids_and_max_tokens_and_eos(make_engine):
     eng = make_engine()
     (free_run,) = eng.generate(
