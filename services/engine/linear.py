@@ -49,7 +49,8 @@ class Linear:
         self.in_features = w.shape[1]
         # NOTE: a copy in another dtype than the weights' is the only copy: every row packs
         self.w_t = w.t().contiguous() if self.packed is None or pack == w.dtype else None
-        self._nbytes = w.numel() * (w.element_size() if self.w_t is not None else 2)
+        width = w.element_size() if self.w_t is not None else pack.itemsize  # type: ignore[union-attr]
+        self._nbytes = w.numel() * width
         if bias is not None:
             self._nbytes += bias.numel() * bias.element_size()
 

@@ -109,7 +109,8 @@ class Tokenizer:
         self._compiled_template: Any = None
         self._trims: bool | None = None  # whether the template strips message content
         self._as_text_tok: HFTokenizer | None = None
-        self._byte_level = _decoder_type(tok) == "ByteLevel"
+        # NOTE: the decoder object's type, not a parse of the whole tokenizer JSON at start-up
+        self._byte_level = type(tok.decoder).__name__ == "ByteLevel"
         self._special_ids = {
             i for i, t in tok.get_added_tokens_decoder().items() if getattr(t, "special", False)
         }
@@ -287,11 +288,6 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             return delta
         return ""
-
-
-def _decoder_type(tok: HFTokenizer) -> str | None:
-    decoder = json.loads(tok.to_str()).get("decoder") or {}
-    return decoder.get("type")
 
 
 _BYTE_DECODER: dict[str, int] = {}

@@ -20,6 +20,10 @@ from services.engine.tokenizer import Tokenizer
 Alternatives = Sequence[tuple[int, float]]
 
 
+def _text(tok: Tokenizer, token_id: int) -> str:
+    return tok.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
 def _entry(tok: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
     raw = tok.token_bytes(token_id)
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
@@ -50,16 +54,13 @@ def completion(
     returns it and the offset after them (a stream's next chunk starts there)."""
     tokens, offsets = [], []
     for token_id in ids:
-        text = tok.token_bytes(token_id).decode("utf-8", errors="replace")
+        text = _text(tok, token_id)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
     alts = None
     if top is not None:
-        alts = [
-            {tok.token_bytes(t).decode("utf-8", errors="replace"): v for t, v in pairs}
-            for pairs in top
-        ]
+        alts = [{_text(tok, t): v for t, v in pairs} for pairs in top]
     body = {
         "tokens": tokens,
         "token_logprobs": list(logprobs),
