@@ -29,7 +29,7 @@
 #define QK 32
 #define MAX_ROWS 8 /* rows of x per pass over the weights (callers split larger batches) */
 
-int pdserve_kernels_abi(void) { return 8; }
+int pdserve_kernels_abi(void) { return 9; }
 
 int pdserve_kernels_simd(void) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -422,18 +422,10 @@ void pdserve_rope_and_cache_q8(float *restrict q, int64_t qs, float *restrict k,
                    num_slots, slots, 1);
 }
 
-/* out [T, I] = silu(gate) * up of gate_up [T, 2I] (gate first) */
-void pdserve_silu_and_mul(const float *restrict gu, int T, int I, float *restrict out) {
-    for (int t = 0; t < T; t++) {
-        const float *g = gu + (int64_t)t * 2 * I, *u = g + I;
-        float *o = out + (int64_t)t * I;
-        for (int i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-    }
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* exp(x) for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial, relative
- * error about 2e-7; x < -87.3 gives 0 */
+/* exp(x) for x <= 88.3 (softmax after subtracting the max; silu): Cephes' expf polynomial,
+ * relative error about 2e-7; x < -87.3 gives 0; callers clamp larger x */
 static inline __m256 exp256(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.3f);
     const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
@@ -453,6 +445,28 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+#if defined(__AVX512F__)
+/* exp256's arithmetic, 16 lanes (the same operations, so the same results per lane) */
+static inline __m512 exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(~under, p, _mm512_castsi512_ps(e));
+}
+#endif
+
 /* 8 values of a cache row starting at element c (fp32 rows, or int8 rows of D values + D/32
  * scales) */
 static inline __m256 row8(const uint8_t *row, int c, int D, int q8) {
@@ -461,6 +475,37 @@ static inline __m256 row8(const uint8_t *row, int c, int D, int q8) {
     return _mm256_mul_ps(v, _mm256_broadcast_ss((const float *)(row + D) + c / 32));
 }
 #endif
+
+/* out [T, I] = silu(gate) * up of gate_up [T, 2I] (gate first), silu(g) = g / (1 + exp(-g)).
+ * Vectorized with exp256 (relative error about 2e-7, as glibc's expf within rounding): the
+ * scalar expf loop took 2.3 ms a layer for a 512-token prompt, a quarter of its TTFT. */
+void pdserve_silu_and_mul(const float *restrict gu, int T, int I, float *restrict out) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (int64_t)t * 2 * I, *u = g + I;
+        float *o = out + (int64_t)t * I;
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= I; i += 16) {
+            const __m512 gv = _mm512_loadu_ps(g + i);
+            const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv),
+                                                  _mm512_set1_ps(88.3f)));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                                  _mm512_loadu_ps(u + i)));
+        }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        /* exp(-g) clamped at exp(88.3) (finite): g / (1 + huge) is the tiny negative it should be */
+        const __m256 one = _mm256_set1_ps(1.f), top = _mm256_set1_ps(88.3f);
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), top));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
+                                                  _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
 
 /* One (sequence, kv head): the G query heads sharing it attend over n positions whose rows
  * start at byte offsets at[0..n) of kc / vc (computed once per sequence: the block-table

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from services import env
 
-ABI = 8
+ABI = 9
 _SOURCE = Path(__file__).with_name("kernels.c")
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
