@@ -175,6 +175,17 @@ def test_min_tokens_and_logit_bias_reach_the_sampling_params():
     assert e.value.field == "logit_bias"
 
 
+def test_penalties_reach_the_sampling_params_and_bad_ones_are_refused_by_name():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    pen = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.1}
+    p = parse(ChatCompletionRequest, {**body, **pen}).params(10)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.1)
+    for field, bad in (("presence_penalty", 3), ("repetition_penalty", -1)):
+        with pytest.raises(InvalidRequestError) as e:
+            parse(ChatCompletionRequest, {**body, field: bad}).params(10)
+        assert e.value.field == field
+
+
 def test_conditional_disaggregation_rule():
     assert prefill_on_decode("colocated", 1000, 0, 0)
     assert not prefill_on_decode("disaggregated", 5, 0, 0)  # threshold 0: never

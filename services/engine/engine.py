@@ -50,7 +50,7 @@ from services.engine.precision import (
 )
 from services.engine.quant import kernel_rows
 from services.engine.request import FinishReason, Request, RequestOutput, Status
-from services.engine.sampler import sample
+from services.engine.sampler import History, sample
 from services.engine.sampling_params import SamplingParams, check_prompt
 from services.engine.scheduler import ScheduledSpan, Scheduler
 from services.engine.step_state import StepState
@@ -397,6 +397,7 @@ class Engine:
             [s.request.seed for s, _ in rows],
             [s.request.num_tokens - s.request.num_prompt + j for s, j in rows],
             self.eos_token_ids,
+            _histories(rows),
         )
         tokens, logprobs, top = sampled.tokens, sampled.logprobs, sampled.top
         failed = {id(rows[r][0]): why for r, why in sampled.errors.items()}
@@ -692,3 +693,17 @@ class _Pinned:
 
     def free(self) -> None:
         self._engine._free_pinned(self._req)
+
+
+def _histories(rows: list[tuple[ScheduledSpan, int]]) -> list[History | None] | None:
+    """Per sampled row, its tokens so far when its params penalize them: the request's, then
+    the draft tokens before the row's position (the row is used only if they are accepted,
+    so it sees what decoding one by one would)."""
+    if not any(s.request.params.penalized for s, _ in rows):
+        return None
+    return [
+        ([*s.request.token_ids, *s.draft[:j]], s.request.num_prompt)
+        if s.request.params.penalized
+        else None
+        for s, j in rows
+    ]

@@ -11,6 +11,8 @@ from services.engine.sampling_params import SamplingParams
 
 _MASK = 0x7FFF_FFFF_FFFF_FFFF
 TopLogprobs = tuple[tuple[int, float], ...]
+# a row's tokens so far (prompt, then output) and how many of them are the prompt
+History = tuple[Sequence[int], int]
 
 
 def position_seed(seed: int, index: int) -> int:
@@ -37,6 +39,7 @@ def sample(
     seeds: Sequence[int],
     indices: Sequence[int],  # output index each row samples
     eos_ids: frozenset[int] = frozenset(),
+    histories: Sequence[History | None] | None = None,  # for rows whose params penalize
 ) -> Sampled:
     """The chosen token per row and, if any row asked, the log-probability of each chosen
     token under the model's unmodified distribution (before temperature and filters).
@@ -45,7 +48,9 @@ def sample(
     chosen = logits.argmax(dim=-1).tolist()
     errors: dict[int, str] = {}
     for row, p in enumerate(params):
-        x = _adjusted(logits[row], p, indices[row], eos_ids)
+        x = _adjusted(
+            logits[row], p, indices[row], eos_ids, None if histories is None else histories[row]
+        )
         if p.greedy:
             if x is not None:
                 chosen[row] = int(x.argmax())
@@ -71,14 +76,20 @@ def sample(
 
 
 def _adjusted(
-    logits: torch.Tensor, p: SamplingParams, index: int, eos_ids: frozenset[int]
+    logits: torch.Tensor,
+    p: SamplingParams,
+    index: int,
+    eos_ids: frozenset[int],
+    history: History | None,
 ) -> torch.Tensor | None:
-    """The row's logits with its ``logit_bias`` added and, before ``min_tokens``, its EOS and
-    stop tokens removed; None when neither applies (the logits as they are)."""
+    """The row's logits with its ``logit_bias`` added, before ``min_tokens`` its EOS and stop
+    tokens removed, then its penalties applied (vLLM's order); None when nothing applies (the
+    logits as they are)."""
     banned: set[int] = set()
     if index < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-    if not p.logit_bias and not banned:
+    penalize = p.penalized and history is not None
+    if not p.logit_bias and not banned and not penalize:
         return None
     x = logits.clone()
     if p.logit_bias:
@@ -86,7 +97,24 @@ def _adjusted(
         x.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=x.device))
     if banned:
         x[torch.tensor(sorted(banned), device=x.device)] = float("-inf")
+    if penalize:
+        assert history is not None
+        _penalize(x, p, *history)
     return x
+
+
+def _penalize(x: torch.Tensor, p: SamplingParams, tokens: Sequence[int], num_prompt: int) -> None:
+    """In place. Repetition (vLLM's): each distinct token of prompt and output has its logit
+    divided by the penalty when positive, multiplied when not. Frequency and presence
+    (OpenAI's): each token of the output loses ``frequency * count + presence``."""
+    if p.repetition_penalty != 1.0 and tokens:
+        seen = torch.tensor(sorted(set(tokens)), device=x.device)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    out = tokens[num_prompt:]
+    if out and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(list(out), device=x.device).unique(return_counts=True)
+        x.index_add_(0, ids, -(p.frequency_penalty * counts.to(x.dtype) + p.presence_penalty))
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int) -> int:

@@ -12,6 +12,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_CACHE_SALT_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
 MAX_LOGIT_BIAS = 300  # biased tokens per request (OpenAI's limit)
+MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty|, OpenAI's range
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,12 @@ class SamplingParams:
     min_tokens: int = 0
     # (token id, bias in [-100, 100]) added to the logits before sampling, as OpenAI's
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's: subtracted from the logit of each token the output holds (once / per
+    # occurrence); vLLM's: a token of the prompt or the output has its logit divided by it
+    # when positive, multiplied when negative (1 = off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     # NOTE: not a sampling setting, but it travels wherever the request does (prefill,
     # decode, re-prefill, resume): it scopes prefix-cache reuse (services.engine.block_hash)
     cache_salt: str | None = None
@@ -45,6 +53,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling reads the tokens so far (any penalty is on)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -129,6 +144,18 @@ class SamplingParams:
             raise InvalidRequestError(
                 "logit_bias",
                 f"at most {MAX_LOGIT_BIAS} token ids, each with a bias in [-100, 100]",
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequestError(
+                    name, f"must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}"
+                )
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0 < rp <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(
+                "repetition_penalty",
+                f"must be a number in (0, {MAX_REPETITION_PENALTY}] (1 = off), got {rp!r}",
             )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(

@@ -35,16 +35,13 @@ UNSUPPORTED: dict[str, frozenset[str]] = {
         {
             "best_of",
             "echo",
-            "frequency_penalty",
             "function_call",
             "functions",
             "metadata",
             "modalities",
             "parallel_tool_calls",
             "prediction",
-            "presence_penalty",
             "reasoning_effort",
-            "repetition_penalty",
             "response_format",
             "service_tier",
             "store",
@@ -108,6 +105,17 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (as a string, OpenAI's) -> bias in [-100, 100]"
     )
+    presence_penalty: float = Field(
+        0.0, description="subtracted once from each token the output already holds, [-2, 2]"
+    )
+    frequency_penalty: float = Field(
+        0.0, description="subtracted per occurrence in the output so far, [-2, 2]"
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        description="extension (vLLM's): a token of the prompt or output has its logit divided "
+        "by it when positive, multiplied when negative; 1 = off",
+    )
     cache_salt: str | None = Field(
         None,
         description="as vLLM's: requests with different salts never share prefix-cache blocks "
@@ -144,6 +152,9 @@ class _Sampling(BaseModel):
             top_logprobs=top_logprobs,
             min_tokens=self.min_tokens,
             logit_bias=self._logit_bias(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             cache_salt=self.cache_salt,
         )
 

@@ -46,6 +46,15 @@ def _oracle(reference: dict[tuple[int, ...], list[int]], wrong_every: int):
     [
         SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=True),
         SamplingParams(max_tokens=20, temperature=0.8, top_k=30, seed=5, ignore_eos=True),
+        # penalties read the tokens so far: a draft position must see the drafts before it
+        SamplingParams(
+            max_tokens=20,
+            temperature=0,
+            ignore_eos=True,
+            repetition_penalty=1.2,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+        ),
     ],
 )
 def test_speculation_gives_the_tokens_of_plain_decoding(make_engine, monkeypatch, params):
