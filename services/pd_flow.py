@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtransfer.base import KVRef, KVTransferFailedError
@@ -16,7 +16,11 @@ __all__ = [
     "RouteHint",
     "TokenChunk",
     "prefill_on_decode",
+    "prompt_logprobs_of",
 ]
+
+
+PromptLogprobs = tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,8 @@ class PrefillResult:
     prefill_s: float
     num_cached_tokens: int = 0  # prompt tokens served from this replica's prefix cache
     first_top_logprobs: tuple[tuple[int, float], ...] | None = None  # with top_logprobs
+    # with prompt_logprobs: entry i scores prompt token i + 1 (logprob, alternatives)
+    prompt_logprobs: PromptLogprobs = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +63,15 @@ class TokenChunk:
     kv_transfer_bytes: int = 0  # likewise
     # with top_logprobs: per token, its most likely tokens as (token, logprob) pairs
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    # with prompt_logprobs, on the first chunk of the replica that computed the prompt
+    prompt_logprobs: PromptLogprobs = None
+
+
+def prompt_logprobs_of(
+    scores: Sequence[tuple[float, tuple[tuple[int, float], ...]]] | None,
+) -> PromptLogprobs:
+    """An engine output's prompt scores as the flow carries them (immutable)."""
+    return None if scores is None else tuple(scores)
 
 
 def prefill_on_decode(

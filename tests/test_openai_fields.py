@@ -35,6 +35,16 @@ def test_an_unimplemented_field_is_refused_by_name_unless_neutral(field):
             parse(model, {**base, field: neutral})  # asks for nothing: accepted
 
 
+def test_echo_is_a_completions_field_and_not_a_chat_one():
+    req = parse(CompletionRequest, {**COMPLETION, "echo": True, "logprobs": 2})
+    assert req.params(4).prompt_logprobs == 2
+    assert parse(CompletionRequest, {**COMPLETION, "echo": True}).params(4).prompt_logprobs is None
+    assert parse(CompletionRequest, {**COMPLETION, "logprobs": 1}).params(4).prompt_logprobs is None
+    err = _refused(ChatCompletionRequest, {**CHAT, "echo": True})
+    assert err.field == "echo" and "not implemented" in err.message
+    parse(ChatCompletionRequest, {**CHAT, "echo": False})  # neutral: accepted
+
+
 def test_an_unknown_field_is_refused_as_unknown():
     err = _refused(ChatCompletionRequest, {**CHAT, "temprature": 0.5})
     assert (err.field, err.message) == ("temprature", "unknown field")

@@ -23,7 +23,14 @@ from kvtransfer.selftest import self_test
 from services.config import ServeConfig
 from services.decode.pull_budget import PullBudget
 from services.engine.kv_cache import KVCache
-from services.pd_flow import GenerateSpec, KVRef, KVTransferFailedError, RouteHint, TokenChunk
+from services.pd_flow import (
+    GenerateSpec,
+    KVRef,
+    KVTransferFailedError,
+    RouteHint,
+    TokenChunk,
+    prompt_logprobs_of,
+)
 from services.replica import EngineReplica, kv_transport, open_index
 
 
@@ -122,6 +129,7 @@ class DecodeServer(EngineReplica):
                 top_logprobs=(
                     tuple(out.new_top_logprobs) if out.new_top_logprobs is not None else None
                 ),
+                prompt_logprobs=prompt_logprobs_of(out.prompt_logprobs),
             )
             transfer_s, transfer_bytes = 0.0, 0
 

@@ -33,6 +33,7 @@ from services.engine.cpu_backend import supports as cpu_backend_supports
 from services.engine.cpu_decode import MAX_BATCH, FusedDecode
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.errors import InvalidRequestError, LayoutMismatchError, UnknownRequestError
+from services.engine.grammar import Grammars
 from services.engine.kv_cache import KVCache
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_quant import resolve_kv_dtype
@@ -227,6 +228,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = Grammars(tokenizer, mc.vocab_size, self.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._prompt_tokens_computed = 0
@@ -286,6 +288,8 @@ class Engine:
         self._validate_prompt(prompt, params)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        if params.response_format is not None:
+            self.grammars.check(params.response_format)
         prefill_only = prefill_only or self.config.role == "prefill"
         if kv_handle is not None:
             if self.config.role == "prefill":
@@ -344,6 +348,7 @@ class Engine:
         self.blocks.free(request_id)
         req.status = Status.FINISHED
         req.finish_reason = FinishReason.ABORT
+        self.grammars.drop(request_id)
         if req.kv_sink is not None:
             req.kv_sink.aborted("the request was aborted")
         self._aborted.append(req)
@@ -385,7 +390,12 @@ class Engine:
                 self._prompt_tokens_computed += (
                     min(s.start + s.num_new, s.request.num_prompt) - s.start
                 )
+        scoring = [(s, s.prompt_positions) for s in sched.spans if s.prompt_positions]
         logits = self.runner.run(sched.spans, self._stream_hook(sched.spans))
+        if scoring:
+            n_scored = sum(len(r) for _, r in scoring)
+            self._score_prompts(scoring, logits[logits.shape[0] - n_scored :])
+            logits = logits[: logits.shape[0] - n_scored]
         # NOTE: counted once, here: a span's `samples` changes as tokens are appended below
         sampling = [(s, s.num_sampled) for s in sched.spans if s.samples]
         # one row per sampled position; a speculative span samples each draft position too,
@@ -398,6 +408,10 @@ class Engine:
             [s.request.num_tokens - s.request.num_prompt + j for s, j in rows],
             self.eos_token_ids,
             _histories(rows),
+            [
+                self.grammars.allowed(s.request) if s.request.params.response_format else None
+                for s, _ in rows
+            ],
         )
         tokens, logprobs, top = sampled.tokens, sampled.logprobs, sampled.top
         failed = {id(rows[r][0]): why for r, why in sampled.errors.items()}
@@ -429,6 +443,27 @@ class Engine:
             row += n
             outputs.append(self._output(s.request))
         return outputs
+
+    @staticmethod
+    def _score_prompts(scoring: list[tuple[ScheduledSpan, range]], logits: torch.Tensor) -> None:
+        """Append each scored position's prompt log-probability (of the prompt token after it)
+        and its alternatives, from the model's unmodified distribution."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        targets = [s.request.token_ids[p + 1] for s, r in scoring for p in r]
+        chosen = lp[torch.arange(len(targets)), torch.tensor(targets)].tolist()
+        k = max(s.request.params.prompt_logprobs or 0 for s, _ in scoring)
+        alts: list[list[int]] = []
+        vals: list[list[float]] = []
+        if k:
+            v, i = lp.topk(k, dim=-1)
+            vals, alts = v.tolist(), i.tolist()
+        row = 0
+        for s, r in scoring:
+            req, want = s.request, s.request.params.prompt_logprobs or 0
+            for _ in r:
+                top = tuple(zip(alts[row][:want], vals[row][:want], strict=True)) if want else ()
+                req.prompt_logprobs.append((chosen[row], top))
+                row += 1
 
     def _verify(
         self, sampling: list[tuple[ScheduledSpan, int]], tokens: list[int]
@@ -620,12 +655,20 @@ class Engine:
         if req.detok is not None:
             req.text += req.detok.push(token)
         reason = StopChecker.check(req, token, self.eos_token_ids, self.max_model_len)
+        if reason is None and req.params.response_format is not None:
+            state = self.grammars.advance(req)
+            if state == "complete":  # the output is whole: nothing but EOS could follow
+                reason = FinishReason.STOP
+            elif state is not None:
+                req.error = state
+                reason = FinishReason.ERROR
         if reason is None and req.prefill_only:
             reason = FinishReason.PREFILLED
         if reason is not None:
             self._finish(req, reason)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.grammars.drop(req.request_id)
         req.finish_reason = reason
         req.status = Status.FINISHED
         self.scheduler.remove(req)
@@ -658,6 +701,15 @@ class Engine:
         req.sent_text = max(req.sent_text, visible)
         first_lp = req.num_tokens - len(new_ids) - req.num_prompt
         t = req.timings
+        prompt_lps = None
+        if (
+            req.params.prompt_logprobs is not None
+            and not req.prompt_logprobs_sent
+            and new_ids
+            and len(req.prompt_logprobs) == req.num_prompt - 1  # this engine scored it
+        ):
+            prompt_lps = list(req.prompt_logprobs)
+            req.prompt_logprobs_sent = True
         if req.finished:
             self._requests.pop(req.request_id, None)
         return RequestOutput(
@@ -676,6 +728,7 @@ class Engine:
             error=req.error,
             itls=list(t.itls) if req.finished else None,
             new_top_logprobs=req.top_logprobs[first_lp:] if req.params.top_logprobs else None,
+            prompt_logprobs=prompt_lps,
         )
 
 

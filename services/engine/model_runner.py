@@ -41,11 +41,12 @@ class ModelRunner:
     def run(
         self, spans: Sequence[ScheduledSpan], layer_hook: LayerHook | None = None
     ) -> torch.Tensor:
-        """Computes KV for every span; returns fp32 logits [num sampling spans, vocab] in span order."""
+        """Computes KV for every span; returns fp32 logits [rows, vocab]: each sampling span's
+        rows in span order, then the rows scoring prompt tokens (``prompt_positions``)."""
         if (
             self.graphs is not None
             and layer_hook is None
-            and all(s.num_new == 1 for s in spans)
+            and all(s.num_new == 1 and not s.prompt_positions for s in spans)
             and self.graphs.fits(len(spans))
         ):
             return self.graphs.run(spans)

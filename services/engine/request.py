@@ -77,6 +77,10 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     # parallel to logprobs when params.top_logprobs: each position's most likely tokens
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # with params.prompt_logprobs: entry i scores prompt token i + 1 (its log-probability and
+    # alternatives); filled as prefill chunks compute, sent once with the first token
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     timings: Timings = field(default_factory=Timings)
     num_preemptions: int = 0
     # stream cursors: what the caller has already been given
@@ -121,3 +125,6 @@ class RequestOutput:
     error: str | None = None  # with FinishReason.ERROR: what failed
     # with params.top_logprobs: each new token's most likely tokens, (token, logprob) pairs
     new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    # with params.prompt_logprobs, on the update that carries the first token (of the engine
+    # that computed the prompt): entry i scores prompt token i + 1
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None

@@ -40,6 +40,7 @@ def sample(
     indices: Sequence[int],  # output index each row samples
     eos_ids: frozenset[int] = frozenset(),
     histories: Sequence[History | None] | None = None,  # for rows whose params penalize
+    allowed: Sequence[torch.Tensor | None] | None = None,  # bool [vocab], guided rows
 ) -> Sampled:
     """The chosen token per row and, if any row asked, the log-probability of each chosen
     token under the model's unmodified distribution (before temperature and filters).
@@ -49,7 +50,12 @@ def sample(
     errors: dict[int, str] = {}
     for row, p in enumerate(params):
         x = _adjusted(
-            logits[row], p, indices[row], eos_ids, None if histories is None else histories[row]
+            logits[row],
+            p,
+            indices[row],
+            eos_ids,
+            None if histories is None else histories[row],
+            None if allowed is None else allowed[row],
         )
         if p.greedy:
             if x is not None:
@@ -81,15 +87,16 @@ def _adjusted(
     index: int,
     eos_ids: frozenset[int],
     history: History | None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The row's logits with its ``logit_bias`` added, before ``min_tokens`` its EOS and stop
-    tokens removed, then its penalties applied (vLLM's order); None when nothing applies (the
-    logits as they are)."""
+    tokens removed, then its penalties applied (vLLM's order), then the tokens its grammar
+    forbids removed; None when nothing applies (the logits as they are)."""
     banned: set[int] = set()
     if index < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
     penalize = p.penalized and history is not None
-    if not p.logit_bias and not banned and not penalize:
+    if not p.logit_bias and not banned and not penalize and allowed is None:
         return None
     x = logits.clone()
     if p.logit_bias:
@@ -100,6 +107,8 @@ def _adjusted(
     if penalize:
         assert history is not None
         _penalize(x, p, *history)
+    if allowed is not None:
+        x = x.masked_fill(~allowed, float("-inf"))
     return x
 
 

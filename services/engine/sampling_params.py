@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.engine.grammar import ResponseFormat
+
 MIN_TEMPERATURE = 1e-5  # below it (and above 0), logits / temperature can overflow fp32
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -46,6 +48,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # vLLM's: each prompt token's log-probability given the tokens before it (and this many
+    # alternatives per position); None = off. Such a request does not read the prefix cache
+    # (cached positions have no logits) until its prompt is scored.
+    prompt_logprobs: int | None = None
+    # the output follows this grammar (services.engine.grammar); None = free text
+    response_format: ResponseFormat | None = None
     # NOTE: not a sampling setting, but it travels wherever the request does (prefill,
     # decode, re-prefill, resume): it scopes prefix-cache reuse (services.engine.block_hash)
     cache_salt: str | None = None
@@ -126,6 +134,15 @@ class SamplingParams:
                 "top_logprobs",
                 f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
             )
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                "prompt_logprobs",
+                f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}",
+            )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs")
         if (
@@ -157,6 +174,10 @@ class SamplingParams:
                 "repetition_penalty",
                 f"must be a number in (0, {MAX_REPETITION_PENALTY}] (1 = off), got {rp!r}",
             )
+        if self.response_format is not None:
+            if not isinstance(self.response_format, ResponseFormat):
+                raise InvalidRequestError("response_format", "must be a ResponseFormat")
+            self.response_format.check()
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(
                 "stop_token_ids",

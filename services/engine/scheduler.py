@@ -39,6 +39,18 @@ class ScheduledSpan:
     def num_sampled(self) -> int:
         return (1 + len(self.draft)) if self.samples else 0
 
+    @property
+    def prompt_positions(self) -> range:
+        """Positions computed this step whose logits score the next prompt token and are not
+        scored yet (requests with ``prompt_logprobs``)."""
+        req = self.request
+        if req.params.prompt_logprobs is None:
+            return range(0)
+        return range(
+            max(self.start, len(req.prompt_logprobs)),
+            min(self.start + self.num_new, req.num_prompt - 1),
+        )
+
     def token_ids(self) -> list[int]:
         """The ids of the positions computed: the request's tokens, then the draft."""
         end = self.start + self.num_new - len(self.draft)
@@ -114,7 +126,9 @@ class Scheduler:
             budget - 1,
             req.params.max_tokens - (req.num_tokens - req.num_prompt) - 1,
         )
-        if room <= 0 or req.prefill_only:
+        # NOTE: a guided request's draft positions would each need the grammar's mask after
+        # the drafts before them; it is not drafted for instead
+        if room <= 0 or req.prefill_only or req.params.response_format is not None:
             return ()
         return tuple(propose(req.token_ids, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min))
 
@@ -123,6 +137,9 @@ class Scheduler:
         handle = req.kv_import
         # At least the last token is always computed: its logits give the next token.
         reusable = (handle.num_computed if handle is not None else req.num_tokens - 1) // bs
+        if handle is None and req.params.prompt_logprobs is not None:
+            # NOTE: cached positions have no logits: only what is already scored is reused
+            reusable = min(reusable, len(req.prompt_logprobs) // bs)
         hits = self.blocks.lookup_prefix(req.block_hashes[:reusable])
         start = handle.num_computed if handle is not None else len(hits) * bs
         n = min(req.num_tokens - start, budget)

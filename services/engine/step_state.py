@@ -147,6 +147,7 @@ class StepState:
         q_lens: list[int] = []
         ids: list[int] = []
         sampled: list[int] = []
+        scored: list[int] = []  # rows scoring prompt tokens (prompt_logprobs), after sampled
         for s in spans:
             req = s.request
             rows.append(
@@ -154,8 +155,11 @@ class StepState:
             )
             starts.append(s.start)
             q_lens.append(s.num_new)
+            first = len(ids)
             ids.extend(s.token_ids() if s.draft else req.token_ids[s.start : s.start + s.num_new])
             sampled.extend(range(len(ids) - s.num_sampled, len(ids)))
+            scored.extend(first + p - s.start for p in s.prompt_positions)
+        sampled += scored
         self.tables.flush()
         n_seqs, n_tok = len(rows), len(ids)
         packed = torch.tensor(rows + starts + q_lens + ids + sampled, dtype=torch.int64)

@@ -88,6 +88,7 @@ class Delivered:
         self.text = ""
         self._replay_ids: list[int] = []
         self._replay_text = ""
+        self._scored = False  # the prompt's scores (prompt_logprobs) went out
 
     @property
     def num_tokens(self) -> int:
@@ -116,9 +117,19 @@ class Delivered:
         skip = max(0, n - start)
         lps = None if c.logprobs is None else tuple(c.logprobs[skip:])
         top = None if c.top_logprobs is None else tuple(c.top_logprobs[skip:])
+        # NOTE: the prompt's scores go out once, with the first tokens delivered
+        prompt = c.prompt_logprobs if n == 0 and not self._scored else None
+        self._scored = self._scored or prompt is not None
         self.token_ids.extend(new_ids)
         self.text += new_text
-        return replace(c, token_ids=tuple(new_ids), text=new_text, logprobs=lps, top_logprobs=top)
+        return replace(
+            c,
+            token_ids=tuple(new_ids),
+            text=new_text,
+            logprobs=lps,
+            top_logprobs=top,
+            prompt_logprobs=prompt,
+        )
 
 
 @dataclass(slots=True)
@@ -449,6 +460,7 @@ class Gateway:
                         if result.first_top_logprobs is not None
                         else None
                     ),
+                    prompt_logprobs=result.prompt_logprobs,
                 )
                 if result.finish_reason is not None:  # ended at its first token
                     if receiving is not None:

@@ -229,9 +229,19 @@ def build_http_app(gw: Gateway) -> FastAPI:
         assert isinstance(req, CompletionRequest)
         gw.check_model(req.model)
         params = req.params(16)
-        prompts = [await gw.tokenized(gw.prompt_ids, p) for p in req.prompts()]
+        texts = req.prompts()
+        prompts = [await gw.tokenized(gw.prompt_ids, p) for p in texts]
         specs = choice_specs(prompts, req.n, params, _tenant(request))
-        return await respond(specs, req.n, req.stream, chat=False, usage_event=req.include_usage)
+        echo = None
+        if req.echo:  # the prompt as sent; a token-id prompt as its text
+            echo = [
+                t if isinstance(t, str) else gw.tokenizer.decode(t, skip_special_tokens=False)
+                for t in texts
+                for _ in range(req.n)
+            ]
+        return await respond(
+            specs, req.n, req.stream, chat=False, usage_event=req.include_usage, echo=echo
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):  # type: ignore[no-untyped-def]
@@ -260,7 +270,23 @@ def build_http_app(gw: Gateway) -> FastAPI:
             sum(timings[j].num_cached_tokens for j in firsts),
         )
 
-    async def respond(specs, n: int, stream: bool, chat: bool, usage_event: bool = False):  # type: ignore[no-untyped-def]
+    def echoed(spec, echo, j, scores):  # type: ignore[no-untyped-def]
+        """Choice ``j``'s echoed prompt: its text, and its logprobs body when asked for."""
+        if echo is None:
+            return "", None
+        if not spec.params.logprobs:
+            return echo[j], None
+        try:
+            body = logprobs.prompt(
+                gw.tokenizer, spec.prompt_ids, scores, bool(spec.params.top_logprobs)
+            )
+        except ValueError as e:  # a replica lost the scores: an error, never a silent gap
+            raise ServiceUnavailableError(f"echo: {e}") from None
+        return echo[j], body
+
+    async def respond(
+        specs, n: int, stream: bool, chat: bool, usage_event: bool = False, echo=None
+    ):  # type: ignore[no-untyped-def]
         timings = [Timing() for _ in specs]
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + specs[0].request_id
@@ -277,8 +303,10 @@ def build_http_app(gw: Gateway) -> FastAPI:
             lps: list[list[float]] = [[] for _ in specs]
             top: list[list[tuple[tuple[int, float], ...]]] = [[] for _ in specs]
             finish: list[str | None] = [None for _ in specs]
+            scores: list[Any] = [None for _ in specs]
             try:
                 async for j, c in merged:
+                    scores[j] = scores[j] or c.prompt_logprobs
                     ids[j].extend(c.token_ids)
                     text[j].append(c.text)
                     lps[j].extend(c.logprobs or ())
@@ -296,12 +324,16 @@ def build_http_app(gw: Gateway) -> FastAPI:
                     "finish_reason": finish[j],
                     "token_ids": ids[j],
                 }
+                head, head_lps = echoed(spec, echo, j, scores[j])
                 if chat:
                     choice["message"] = {"role": "assistant", "content": "".join(text[j])}
                 else:
-                    choice["text"] = "".join(text[j])
+                    choice["text"] = head + "".join(text[j])
                 if spec.params.logprobs:
-                    choice["logprobs"] = _logprobs(spec.params, chat, ids[j], lps[j], top[j])[0]
+                    body = _logprobs(spec.params, chat, ids[j], lps[j], top[j], len(head))[0]
+                    choice["logprobs"] = (
+                        body if head_lps is None else logprobs.joined(head_lps, body)
+                    )
                 choices.append(choice)
             return {
                 "id": rid,
@@ -313,21 +345,29 @@ def build_http_app(gw: Gateway) -> FastAPI:
                 "pdserve_timing": timings[0].as_dict(),
             }
         return SourceClosingResponse(
-            sse(specs, n, rid, created, chat, merged, timings, usage_event),
+            sse(specs, n, rid, created, chat, merged, timings, usage_event, echo),
             merged,
             media_type="text/event-stream",
         )
 
-    async def sse(specs, n, rid, created, chat, merged, timings, usage_event) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+    async def sse(
+        specs, n, rid, created, chat, merged, timings, usage_event, echo
+    ) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
         """Content events (every one with a choice, so clients may read ``choices[0]``), then,
         only when the client asked (``stream_options.include_usage``, as OpenAI), one event
         with ``usage`` and ``pdserve_timing`` and empty ``choices``; then ``[DONE]``."""
         n_out = 0
         obj = "chat.completion.chunk" if chat else "text_completion"
         offsets = [0] * len(specs)  # characters streamed per choice (completions' text_offset)
+        started = [False] * len(specs)
 
         def event(j, c) -> str:  # type: ignore[no-untyped-def]
             spec = specs[j]
+            head, head_lps = "", None
+            if not started[j]:  # the echoed prompt leads the choice's first event
+                started[j] = True
+                head, head_lps = echoed(spec, echo, j, c.prompt_logprobs)
+                offsets[j] = len(head)
             choice: dict[str, Any] = {
                 "index": j,
                 "finish_reason": c.finish_reason,
@@ -336,13 +376,15 @@ def build_http_app(gw: Gateway) -> FastAPI:
             if chat:
                 choice["delta"] = {"role": "assistant", "content": c.text}
             else:
-                choice["text"] = c.text
+                choice["text"] = head + c.text
             if spec.params.logprobs:
                 lps = list(c.logprobs or ())[: len(c.token_ids)]
                 top = list(c.top_logprobs or ())[: len(c.token_ids)]
                 choice["logprobs"], offsets[j] = _logprobs(
                     spec.params, chat, list(c.token_ids), lps, top, offsets[j]
                 )
+                if head_lps is not None:
+                    choice["logprobs"] = logprobs.joined(head_lps, choice["logprobs"])
             return (
                 "data: "
                 + json.dumps(

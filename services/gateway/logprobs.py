@@ -43,6 +43,42 @@ def chat(
     return {"content": content, "refusal": None}
 
 
+def prompt(
+    tok: Tokenizer,
+    ids: Sequence[int],
+    scores: Sequence[tuple[float, Alternatives]] | None,
+    with_top: bool,
+) -> dict[str, Any]:
+    """The completions shape for an echoed prompt: its first token has no score (None, as
+    OpenAI's), each other token the score the engine gave it (``prompt_logprobs``).
+    Raises ValueError when the scores do not cover the prompt."""
+    scores = scores or ()
+    if len(scores) != len(ids) - 1:
+        raise ValueError(f"{len(scores)} prompt scores for a prompt of {len(ids)} tokens")
+    body, _ = completion(
+        tok,
+        ids,
+        [None, *(lp for lp, _ in scores)],  # type: ignore[list-item]
+        [(), *(alts for _, alts in scores)] if with_top else None,
+    )
+    if with_top:
+        body["top_logprobs"][0] = None
+    return body
+
+
+def joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """``first`` then ``second`` (completions shapes, their offsets already placed)."""
+    top = None
+    if first["top_logprobs"] is not None or second["top_logprobs"] is not None:
+        top = [*(first["top_logprobs"] or ()), *(second["top_logprobs"] or ())]
+    return {
+        "tokens": [*first["tokens"], *second["tokens"]],
+        "token_logprobs": [*first["token_logprobs"], *second["token_logprobs"]],
+        "top_logprobs": top,
+        "text_offset": [*first["text_offset"], *second["text_offset"]],
+    }
+
+
 def completion(
     tok: Tokenizer,
     ids: Sequence[int],

@@ -10,11 +10,13 @@ refused as unknown.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.engine.errors import InvalidRequestError
+from services.engine.grammar import ResponseFormat
 from services.engine.sampling_params import SamplingParams
 
 
@@ -34,7 +36,6 @@ UNSUPPORTED: dict[str, frozenset[str]] = {
     "sampling": frozenset(
         {
             "best_of",
-            "echo",
             "function_call",
             "functions",
             "metadata",
@@ -42,7 +43,6 @@ UNSUPPORTED: dict[str, frozenset[str]] = {
             "parallel_tool_calls",
             "prediction",
             "reasoning_effort",
-            "response_format",
             "service_tier",
             "store",
             "suffix",
@@ -53,6 +53,8 @@ UNSUPPORTED: dict[str, frozenset[str]] = {
             "audio",
         }
     ),
+    # vLLM's chat echo (prepend the last message) is not implemented; completions' is
+    "chat": frozenset({"echo"}),
     "tokenize": frozenset(
         {"continue_final_message", "chat_template", "chat_template_kwargs", "tools"}
     ),
@@ -74,7 +76,7 @@ def check_fields(model: type[BaseModel], body: dict[str, Any], kind: str, where:
         if key in model.model_fields:
             continue
         field = f"{where}{key}"
-        if key in UNSUPPORTED[kind]:
+        if key in UNSUPPORTED[kind] or (kind == "chat" and key in UNSUPPORTED["sampling"]):
             if _neutral(body[key]):
                 del body[key]
                 continue
@@ -116,6 +118,11 @@ class _Sampling(BaseModel):
         description="extension (vLLM's): a token of the prompt or output has its logit divided "
         "by it when positive, multiplied when negative; 1 = off",
     )
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", '
+        '"schema", "strict"}}: the output follows it (services.engine.grammar)',
+    )
     cache_salt: str | None = Field(
         None,
         description="as vLLM's: requests with different salts never share prefix-cache blocks "
@@ -155,6 +162,11 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            response_format=(
+                None
+                if self.response_format is None
+                else ResponseFormat.from_openai(self.response_format)
+            ),
             cache_salt=self.cache_salt,
         )
 
@@ -182,9 +194,18 @@ class CompletionRequest(_Sampling):
         "position (0: none)",
     )
 
+    echo: bool = Field(
+        False,
+        description="the prompt before the completion, in the text and (with logprobs) in the "
+        "logprobs, its first token scored None",
+    )
+
     def params(self, default_max_tokens: int) -> SamplingParams:
         n = self.logprobs
-        return self.sampling_params(default_max_tokens, n is not None, n or 0)
+        params = self.sampling_params(default_max_tokens, n is not None, n or 0)
+        if self.echo and n is not None:
+            return replace(params, prompt_logprobs=n)
+        return params
 
 
 class TextPart(BaseModel):
@@ -241,7 +262,11 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-_KIND: dict[type[BaseModel], str] = {TokenizeRequest: "tokenize", DetokenizeRequest: "tokenize"}
+_KIND: dict[type[BaseModel], str] = {
+    TokenizeRequest: "tokenize",
+    DetokenizeRequest: "tokenize",
+    ChatCompletionRequest: "chat",
+}
 
 
 def parse(model: type[BaseModel], body: object) -> Any:

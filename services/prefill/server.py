@@ -22,7 +22,13 @@ from kvtransfer.selftest import self_test
 from services.config import ServeConfig
 from services.engine.async_engine import EngineStalledError
 from services.engine.request import FinishReason, RequestOutput
-from services.pd_flow import GenerateSpec, KVRef, PrefillResult, RouteHint
+from services.pd_flow import (
+    GenerateSpec,
+    KVRef,
+    PrefillResult,
+    RouteHint,
+    prompt_logprobs_of,
+)
 from services.replica import EngineReplica, kv_transport, node_ip, open_index, replica_identity
 
 
@@ -113,6 +119,7 @@ class PrefillServer(EngineReplica):
             prefill_s=prefill_s,
             num_cached_tokens=out.num_cached_tokens,
             first_top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else None,
+            prompt_logprobs=prompt_logprobs_of(out.prompt_logprobs),
         )
 
     def corrupt_next_kv_pieces(self, n: int) -> str:

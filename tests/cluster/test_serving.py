@@ -252,6 +252,41 @@ def test_openai_client_reads_logprobs_streamed_and_not(cluster):
     assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == 0
 
 
+@pytest.mark.parametrize("app", ["pdserve", "colo"])
+def test_echo_scores_the_prompt_as_the_engine_does(cluster, smollm_engine, app):
+    """Completions ``echo`` with ``logprobs`` (what evaluation harnesses send): the prompt
+    leads the text and the logprobs, its scores equal the single-process engine's, streamed
+    and not, across the P/D handoff and colocated alike."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{BASE}{APPS[app]}/v1", api_key="unused")
+    text = "The capital of France is Paris, and the capital of Italy is"
+    ids = smollm_engine.tokenizer.encode(text)
+    sp = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    smollm_engine.add_request("echo-ref", ids, sp)
+    outs = []
+    while smollm_engine.has_unfinished:
+        outs += smollm_engine.step()
+    (want,) = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    ask = dict(model=MODEL, prompt=text, max_tokens=2, temperature=0, logprobs=2, echo=True)
+    r = client.completions.create(**ask)
+    c = r.choices[0]
+    assert c.text.startswith(text) and len(c.text) > len(text)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(a) == 2 for a in lp.top_logprobs[1:])
+    got = lp.token_logprobs[1 : len(ids)]
+    assert got == pytest.approx([w for w, _ in want], abs=1e-3)
+    assert "".join(lp.tokens) == c.text and lp.text_offset[len(ids)] == len(text)
+    streamed = list(client.completions.create(**ask, stream=True))
+    assert "".join(e.choices[0].text for e in streamed) == c.text
+    first = streamed[0].choices[0].logprobs
+    assert first.token_logprobs[0] is None
+    assert first.token_logprobs[1 : len(ids)] == pytest.approx(got, abs=1e-3)
+    plain = client.completions.create(**{**ask, "echo": False})
+    assert c.text == text + plain.choices[0].text  # echo changes nothing else
+
+
 def test_n_choices_and_batched_prompts(cluster):
     import openai
 
@@ -288,10 +323,72 @@ def test_n_choices_and_batched_prompts(cluster):
     assert c.usage.prompt_tokens == prompt_tokens  # each prompt once, whatever n
 
 
+@pytest.mark.parametrize("app", ["pdserve", "colo"])
+def test_openai_client_gets_schema_valid_json(cluster, app):
+    """``response_format`` through the official client, streamed and not: the output parses
+    and validates against the schema, across the P/D handoff and colocated alike."""
+    import jsonschema
+    import openai
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 30},
+            "population": {"type": "integer", "minimum": 0, "maximum": 99_999_999},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    client = openai.OpenAI(base_url=f"{BASE}{APPS[app]}/v1", api_key="unused")
+    ask = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "The largest city in France, as JSON."}],
+        max_tokens=64,
+        temperature=0.7,
+        seed=3,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "city", "schema": schema, "strict": True},
+        },
+    )
+    r = client.chat.completions.create(**ask)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    streamed = "".join(
+        ev.choices[0].delta.content or ""
+        for ev in client.chat.completions.create(**ask, stream=True)
+        if ev.choices
+    )
+    assert streamed == r.choices[0].message.content  # seeded: the same sample
+    obj = client.completions.create(
+        model=MODEL,
+        prompt="A JSON object about a cat:",
+        max_tokens=120,
+        temperature=0,
+        frequency_penalty=0.5,
+        # NOTE: OpenAI's completions endpoint has no response_format; vLLM's does
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert obj.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(obj.choices[0].text), dict)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
         ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        (
+            {
+                "prompt": "hi",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "strin"}},
+                },
+            },
+            400,
+            "response_format.json_schema.schema",
+        ),
+        ({"prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
         ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
         ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
         ({"max_tokens": 3}, 400, "prompt"),
