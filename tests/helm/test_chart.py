@@ -350,6 +350,29 @@ def test_model_sources():
     assert "model" not in serve_args(render())  # embedded: the packaged SmolLM2
 
 
+def test_the_converted_model_cache_is_shared_where_a_claim_is_named():
+    """Every pod of both pools mounts the one claim at /cache (PDSERVE_CACHE_DIR); without
+    one, each pod has its own bounded emptyDir."""
+    shared = render(CHART / "examples" / "pd-gpu-pools.yaml")
+    pods = [g["template"]["spec"] for g in groups(shared).values()]
+    pods.append(
+        ray_service(shared)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    )
+    for spec in pods:
+        (cache,) = [v for v in spec["volumes"] if v["name"] == "cache"]
+        assert cache == {
+            "name": "cache",
+            "persistentVolumeClaim": {"claimName": "pdserve-model-cache"},
+        }
+        (c,) = [c for c in spec["containers"] if c["name"] != "fetch-model"][:1]
+        assert {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]
+        assert {"name": "PDSERVE_CACHE_DIR", "value": "/cache"} in c["env"]
+    (own,) = [
+        v for v in groups(render())["decode"]["template"]["spec"]["volumes"] if v["name"] == "cache"
+    ]
+    assert own == {"name": "cache", "emptyDir": {"sizeLimit": "40Gi"}}
+
+
 @pytest.mark.parametrize("flavour", ["cpu", "cuda"])
 def test_dockerfiles_are_multi_stage_and_non_root(flavour):
     text = (REPO / "deploy" / "docker" / f"Dockerfile.{flavour}").read_text()

@@ -204,7 +204,13 @@ decode:
 - name: tmp
   emptyDir: {}
 - name: cache
-  emptyDir: {}
+{{- if .Values.model.cache.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.cache.claimName }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.cache.sizeLimit }}
+{{- end }}
 - name: shm
   emptyDir: {medium: Memory}
 {{- if eq .Values.model.source "pvc" }}
