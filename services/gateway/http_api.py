@@ -240,7 +240,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
                 for _ in range(req.n)
             ]
         return await respond(
-            specs, req.n, req.stream, chat=False, usage_event=req.include_usage, echo=echo
+            specs, req.n, req.stream, chat=False, usage_event=req.usage_events, echo=echo
         )
 
     @app.post("/v1/chat/completions")
@@ -251,7 +251,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
         ids = await gw.tokenized(gw.chat_ids, [m.model_dump() for m in req.messages])
         default = req.max_completion_tokens or max(1, gw.max_model_len - len(ids))
         specs = choice_specs([ids], req.n, req.params(default), _tenant(request))
-        return await respond(specs, req.n, req.stream, chat=True, usage_event=req.include_usage)
+        return await respond(specs, req.n, req.stream, chat=True, usage_event=req.usage_events)
 
     def choice_specs(prompts, n, params, tenant):  # type: ignore[no-untyped-def]
         """One spec per choice: prompt p's choice i is choice p * n + i (OpenAI's order)."""
@@ -285,7 +285,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
         return echo[j], body
 
     async def respond(
-        specs, n: int, stream: bool, chat: bool, usage_event: bool = False, echo=None
+        specs, n: int, stream: bool, chat: bool, usage_event: str | None = None, echo=None
     ):  # type: ignore[no-untyped-def]
         timings = [Timing() for _ in specs]
         created = int(time.time())
@@ -353,9 +353,10 @@ def build_http_app(gw: Gateway) -> FastAPI:
     async def sse(
         specs, n, rid, created, chat, merged, timings, usage_event, echo
     ) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
-        """Content events (every one with a choice, so clients may read ``choices[0]``), then,
-        only when the client asked (``stream_options.include_usage``, as OpenAI), one event
-        with ``usage`` and ``pdserve_timing`` and empty ``choices``; then ``[DONE]``."""
+        """Content events (every one with a choice, so clients may read ``choices[0]``; with
+        ``usage_event`` "continuous" each carries ``usage`` so far), then, only when the client
+        asked (``stream_options.include_usage``, as OpenAI), one event with ``usage`` and
+        ``pdserve_timing`` and empty ``choices``; then ``[DONE]``."""
         n_out = 0
         obj = "chat.completion.chunk" if chat else "text_completion"
         offsets = [0] * len(specs)  # characters streamed per choice (completions' text_offset)
@@ -385,19 +386,16 @@ def build_http_app(gw: Gateway) -> FastAPI:
                 )
                 if head_lps is not None:
                     choice["logprobs"] = logprobs.joined(head_lps, choice["logprobs"])
-            return (
-                "data: "
-                + json.dumps(
-                    {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": gw.model_id,
-                        "choices": [choice],
-                    }
-                )
-                + "\n\n"
-            )
+            body = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": gw.model_id,
+                "choices": [choice],
+            }
+            if usage_event == "continuous":  # vLLM's continuous_usage_stats: usage so far
+                body["usage"] = usage_of(specs, n, n_out, timings)
+            return "data: " + json.dumps(body) + "\n\n"
 
         try:
             async for j, c in merged:

@@ -27,6 +27,10 @@ class StreamOptions(BaseModel):
         False,
         description="a last event with `usage` (and `pdserve_timing`) and empty `choices`",
     )
+    continuous_usage_stats: bool = Field(
+        False,
+        description="vLLM's: with include_usage, every event also carries `usage` so far",
+    )
 
 
 MAX_CHOICES = 64  # choices in one response (prompts x n)
@@ -138,8 +142,11 @@ class _Sampling(BaseModel):
         return tuple(sorted(out))
 
     @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def usage_events(self) -> Literal["final", "continuous"] | None:
+        """Which stream events carry ``usage``: the last only, every one too, or none."""
+        if self.stream_options is None or not self.stream_options.include_usage:
+            return None
+        return "continuous" if self.stream_options.continuous_usage_stats else "final"
 
     def sampling_params(
         self, default_max_tokens: int, logprobs: bool, top_logprobs: int = 0

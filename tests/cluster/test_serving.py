@@ -192,6 +192,11 @@ def test_openai_client_streams_chat(cluster):
     assert all(e.choices and e.usage is None for e in events[:-1])
     streamed = sum(len(e.choices[0].model_extra["token_ids"]) for e in events[:-1])
     assert events[-1].choices == [] and events[-1].usage.completion_tokens == streamed > 0
+    # vLLM's continuous_usage_stats: every event also carries the usage so far
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    events = list(ask(stream_options=opts))
+    counts = [e.usage.completion_tokens for e in events]
+    assert counts == sorted(counts) and counts[-1] == streamed and counts[0] >= 1
     assert [m.id for m in client.models.list()] == [MODEL]
     assert httpx.get(f"{BASE}/version", timeout=30).json() == {"version": "0.1.0"}
     assert "pdserve_ttft_seconds_count" in httpx.get(f"{BASE}/metrics").text
@@ -285,6 +290,51 @@ def test_echo_scores_the_prompt_as_the_engine_does(cluster, smollm_engine, app):
     assert first.token_logprobs[1 : len(ids)] == pytest.approx(got, abs=1e-3)
     plain = client.completions.create(**{**ask, "echo": False})
     assert c.text == text + plain.choices[0].text  # echo changes nothing else
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_guidellm_runs_against_the_cluster(cluster, tmp_path, route):
+    """An OpenAI-compatible load generator from PyPI, as a user would point it at pdserve:
+    every request succeeds (it streams with vLLM's continuous usage stats and ignore_eos) and
+    its token counts are the ones it asked for."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from services.engine.loader import default_model_path, gguf_cache_folder
+
+    out = tmp_path / "benchmarks.json"
+    spec = {
+        "backend": {"kind": "openai_http", "target": BASE, "model": MODEL, "request_format": route},
+        "profile": {"kind": "concurrent", "streams": 2},
+        "data": [{"kind": "synthetic_text", "prompt_tokens": 64, "output_tokens": 12}],
+        # NOTE: the model's own tokenizer, from the converted GGUF: nothing is downloaded
+        "tokenizer": {"kind": "hf_auto", "model": str(gguf_cache_folder(default_model_path()))},
+        "constraints": [{"kind": "max_requests", "count": 6}],
+        "outputs": [{"kind": "json", "path": str(out)}],
+    }
+    scenario = tmp_path / "scenario.json"
+    scenario.write_text(json.dumps({"spec": spec}))
+    guidellm = Path(sys.executable).with_name("guidellm")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    run = subprocess.run(
+        [str(guidellm), "run", "--scenario", str(scenario), "--disable-console-interactive"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (bench,) = json.loads(out.read_text())["benchmarks"]
+    totals = bench["metrics"]["request_totals"]
+    assert (totals["successful"], totals["errored"], totals["incomplete"]) == (6, 0, 0), [
+        r["info"]["error"] for r in bench["requests"]["errored"]
+    ]
+    for r in bench["requests"]["successful"]:
+        assert r["output_metrics"]["text_tokens"] == 12
+        assert r["input_metrics"]["text_tokens"] >= 64
 
 
 def test_n_choices_and_batched_prompts(cluster):
