@@ -108,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     from services.config_flags import add_flags
 
     add_flags(srv)
+
+    from services.loadgen.bench import add_args as add_bench_args
+
+    bench = sub.add_parser(
+        "bench",
+        help="load any OpenAI-compatible endpoint: TTFT, TPOT, ITL, E2E, goodput, plots",
+        description="Open-loop Poisson (--rate) or closed-loop (--concurrency) runs of a "
+        "locally generated workload; comma-separated values make a sweep.",
+    )
+    add_bench_args(bench)
     return parser
 
 
@@ -227,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench":
+            from services.loadgen.bench import main as bench_main
+
+            return bench_main(args)
     except InvalidRequestError as e:
         print(f"pdserve: invalid request: {e}", file=sys.stderr)
         return 2

@@ -337,6 +337,39 @@ def test_guidellm_runs_against_the_cluster(cluster, tmp_path, route):
         assert r["input_metrics"]["text_tokens"] >= 64
 
 
+def test_pdserve_bench_figures_agree_with_the_cluster_s_own(cluster, tmp_path):
+    """``pdserve bench`` against the cluster, open loop and closed loop (multi-turn chat): every
+    request succeeds, each TTFT it measures is the gateway's own (``pdserve_timing``) plus the
+    way to the client, the token counts are the asked ones, and the report and plots land."""
+    from services.cli import main
+
+    report = tmp_path / "bench.json"
+    common = ["bench", "--url", BASE, "--model", MODEL, "--json", str(report), "--no-progress"]
+    assert main([*common, "--requests", "6", "--input-len", "uniform:40:80", "--output-len",
+                 "fixed:8", "--rate", "2,4", "--plots", str(tmp_path / "plots")]) == 0  # fmt: skip
+    runs = json.loads(report.read_text())["runs"]
+    assert [r["rate"] for r in runs] == [2.0, 4.0]
+    for run in runs:
+        s = run["summary"]
+        assert (s["completed"], s["errors"]) == (6, 0)
+        assert 40 <= s["input_tokens"]["p50"] <= 90 and s["output_tokens"]["p50"] == 8
+        for r in run["records"]:
+            gap = r["ttft_s"] - r["server"]["ttft_s"]
+            assert -0.005 <= gap < 1.0, r  # the client sees the first token after the gateway
+            assert r["e2e_s"] >= r["server"]["e2e_s"] - 0.005
+            assert len(r["itls"]) == 7
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {"latency_cdf.png", "rate_sweep.png"}
+    assert main([*common, "--workload", "multiturn", "--chat", "--requests", "4", "--turns", "2",
+                 "--system-len", "64", "--input-len", "fixed:16", "--output-len", "fixed:6",
+                 "--concurrency", "2"]) == 0  # fmt: skip
+    (run,) = json.loads(report.read_text())["runs"]
+    recs = run["records"]
+    assert run["summary"]["completed"] == 4 and [r["turn"] for r in recs] == [0, 1, 0, 1]
+    # a second turn re-sends the first and its answer: longer, and mostly from the prefix cache
+    assert recs[1]["prompt_tokens"] > recs[0]["prompt_tokens"] + 16
+    assert recs[1]["server"]["num_cached_tokens"] > 0
+
+
 def test_n_choices_and_batched_prompts(cluster):
     import openai
 
