@@ -28,7 +28,12 @@ class LinearLayer(Protocol):
         """Bytes of weights (and bias) one pass reads."""
         ...
 
-    def __call__(self, x: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor: ...
+    def __call__(
+        self, x: torch.Tensor, roles: RowRoles | None = None, *, keep: bool = False
+    ) -> torch.Tensor:
+        """``keep``: where the packed GEMM runs, its result in the packed dtype (bf16 under
+        fp32 activations on AMX hosts) instead of ``x``'s; elsewhere ignored."""
+        ...
 
 
 class Linear:
@@ -58,13 +63,15 @@ class Linear:
     def nbytes(self) -> int:
         return self._nbytes
 
-    def __call__(self, x: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, roles: RowRoles | None = None, *, keep: bool = False
+    ) -> torch.Tensor:
         # NOTE: with roles every row runs the packed GEMM: the plain product rounds rows
         # differently below 4 rows (MKL's matrix-vector path), oneDNN's does not
         if self.packed is not None and (
             roles is not None or self.w_t is None or x.shape[0] >= PACKED_MIN_ROWS
         ):
-            return self.packed(x, self.bias, invariant=roles is not None)
+            return self.packed(x, self.bias, invariant=roles is not None, keep=keep)
         assert self.w_t is not None
         return torch.addmm(self.bias, x, self.w_t) if self.bias is not None else x @ self.w_t
 

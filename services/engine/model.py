@@ -17,6 +17,7 @@ from services.engine.backend import Backend
 from services.engine.config import ModelConfig
 from services.engine.errors import ModelLoadError
 from services.engine.kv_cache import KVCache
+from services.engine.layer_ops import LayerOps
 from services.engine.layer_ops import rms_norm as rms_norm  # re-exported (tests, kernels)
 from services.engine.linear import LinearLayer, Weight, fuse, make_linear
 from services.engine.quant import QuantWeight
@@ -171,6 +172,20 @@ class LlamaModel:
             device,
         )
 
+    @staticmethod
+    def _mlp(
+        lw: LayerWeights, h: torch.Tensor, roles: RowRoles | None, ops: LayerOps
+    ) -> torch.Tensor:
+        """down(silu(gate) * up). Where gate_up runs a bf16 packed GEMM (prompts on AMX hosts),
+        its result stays bf16 through the activation into down's bf16 GEMM: the fp32 round trip
+        of the widest activations (2 x intermediate, then intermediate) was the largest
+        conversion cost of a prompt. Without roles only: invariant rows keep fp32."""
+        gate_up = lw.gate_up(h, roles, keep=roles is None)
+        if gate_up.dtype == h.dtype:
+            return lw.down(ops.silu_and_mul(gate_up), roles)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return lw.down(torch.nn.functional.silu(gate).mul_(up), roles).to(h.dtype)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -213,7 +228,7 @@ class LlamaModel:
                 layer_hook(i, k, v.view(n, cfg.num_kv_heads, cfg.head_dim))
             x = lw.o(attention.forward(q, cache, i, meta).reshape(n, self.q_size), roles)
             h, residual = ops.add_rms_norm(x, residual, lw.mlp_norm, eps)
-            x = lw.down(ops.silu_and_mul(lw.gate_up(h, roles)), roles)
+            x = self._mlp(lw, h, roles, ops)
         assert residual is not None
         h, _ = ops.add_rms_norm(x[logits_idx], residual[logits_idx], self.norm, eps)
         return self.lm_head(h, sampled_roles).float()

@@ -29,8 +29,10 @@ class PackedGemm:
         self.w = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
 
     def __call__(
-        self, x: torch.Tensor, bias: torch.Tensor | None, *, invariant: bool
+        self, x: torch.Tensor, bias: torch.Tensor | None, *, invariant: bool, keep: bool = False
     ) -> torch.Tensor:
+        """``x @ w.T + bias`` in ``x``'s dtype, or (``keep``) in the packed dtype: a bf16
+        result that feeds another bf16 GEMM skips two conversions."""
         if x.dtype == self.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.w, bias, "none", [], "")
         rows = x.shape[0]
@@ -40,8 +42,9 @@ class PackedGemm:
             torch.ops.mkldnn._linear_pointwise(xc[a : a + step], self.w, None, "none", [], "")
             for a in range(0, rows, max(step, 1))
         ]
-        y = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(x.dtype)
-        return y.add_(bias) if bias is not None else y
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        y = y if keep else y.to(x.dtype)
+        return y.add_(bias.to(y.dtype)) if bias is not None else y
 
 
 def packed_gemm(w: torch.Tensor, dtype: torch.dtype | None) -> PackedGemm | None:

@@ -182,14 +182,17 @@ class QuantLinear:
     def nbytes(self) -> int:
         return self.w.nbytes + (self.bias.numel() * 4 if self.bias is not None else 0)
 
-    def __call__(self, x: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, roles: RowRoles | None = None, *, keep: bool = False
+    ) -> torch.Tensor:
         """By the number of rows (None), or prompt rows packed and generated rows by the
-        kernels (``roles``): see ``services.engine.row_roles``."""
+        kernels (``roles``): see ``services.engine.row_roles``. ``keep``: the packed GEMM's
+        result in its own dtype (without roles only)."""
         if roles is not None:
             prompt = self._invariant_gemm if self.packed is not None else self._kernels
             return by_role(x, roles, prompt, self._kernels)
         if self.packed is not None and x.shape[0] > self.kernel_rows:
-            return self.packed(x, self.bias, invariant=False)
+            return self.packed(x, self.bias, invariant=False, keep=keep)
         return self._kernels(x)
 
     def _invariant_gemm(self, x: torch.Tensor) -> torch.Tensor:

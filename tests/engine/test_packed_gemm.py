@@ -73,3 +73,16 @@ def test_dtype_auto_is_fp32_activations_with_bf16_matmuls_where_native():
     assert resolve_matmul_dtype("auto", "cpu") == want
     for name in ("float32", "bfloat16", "float16"):
         assert resolve_matmul_dtype(name, "cpu") == resolve_dtype(name, "cpu") == name
+
+
+@NATIVE
+def test_keep_returns_the_bf16_result_itself():
+    """What the MLP feeds from gate_up into down on AMX hosts: the same values, not widened."""
+    x, w = _data(rows=40)
+    gemm = PackedGemm(w, torch.bfloat16)
+    kept = gemm(x, None, invariant=False, keep=True)
+    assert kept.dtype == torch.bfloat16
+    assert torch.equal(kept, gemm(x, None, invariant=False).bfloat16())
+    assert gemm(x, None, invariant=False).dtype == torch.float32
+    lin = QuantLinear(QuantWeight.from_float(w, "q8"), None, torch.bfloat16)
+    assert lin(x, keep=True).dtype == torch.bfloat16 and lin(x[:2], keep=True).dtype == x.dtype
