@@ -135,10 +135,17 @@ class CpuOps:
         return q, k  # rotated in place
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """fp32, or bf16 (the packed GEMM's result on AMX hosts: computed in fp32, rounded
+        once)."""
         gate_up = gate_up.contiguous()
         t, two_i = gate_up.shape
         out = torch.empty((t, two_i // 2), dtype=gate_up.dtype)
-        self.lib.pdserve_silu_and_mul(gate_up.data_ptr(), t, two_i // 2, out.data_ptr())
+        kernel = (
+            self.lib.pdserve_silu_and_mul_bf16
+            if gate_up.dtype == torch.bfloat16
+            else self.lib.pdserve_silu_and_mul
+        )
+        kernel(gate_up.data_ptr(), t, two_i // 2, out.data_ptr())
         return out
 
 

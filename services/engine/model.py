@@ -181,10 +181,7 @@ class LlamaModel:
         of the widest activations (2 x intermediate, then intermediate) was the largest
         conversion cost of a prompt. Without roles only: invariant rows keep fp32."""
         gate_up = lw.gate_up(h, roles, keep=roles is None)
-        if gate_up.dtype == h.dtype:
-            return lw.down(ops.silu_and_mul(gate_up), roles)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return lw.down(torch.nn.functional.silu(gate).mul_(up), roles).to(h.dtype)
+        return lw.down(ops.silu_and_mul(gate_up), roles).to(h.dtype)
 
     @torch.inference_mode()
     def forward(

@@ -73,6 +73,18 @@ def test_silu_and_mul(cpu):
     )
 
 
+def test_silu_and_mul_on_bf16_rounds_the_fp32_result_once(cpu):
+    """The bf16 rows of the MLP on AMX hosts: exactly the fp32 kernel's result on the widened
+    inputs, rounded to nearest even (vector lanes and the scalar tail alike: 50 = 3 x 16 + 2);
+    extreme gates and a NaN too."""
+    gu = (torch.randn(3, 2 * 50, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    gu[0, :3] = torch.tensor([-200.0, 200.0, float("nan")]).bfloat16()
+    got = cpu[1].silu_and_mul(gu)
+    want = cpu[1].silu_and_mul(gu.float()).bfloat16()  # torch rounds to nearest even
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()]) and got[0, 2].isnan()
+
+
 @pytest.mark.parametrize("kv_dtype,dim", [("float32", 16), ("int8", 64)])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("block_size", [1, 4, 16])

@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -29,7 +30,7 @@
 #define QK 32
 #define MAX_ROWS 8 /* rows of x per pass over the weights (callers split larger batches) */
 
-int pdserve_kernels_abi(void) { return 9; }
+int pdserve_kernels_abi(void) { return 10; }
 
 int pdserve_kernels_simd(void) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -504,6 +505,54 @@ void pdserve_silu_and_mul(const float *restrict gu, int T, int I, float *restric
         }
 #endif
         for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* bf16 <-> fp32 (bf16 is the top half of an fp32; round to nearest even, NaN kept NaN) */
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* pdserve_silu_and_mul on bf16 rows (the bf16 packed GEMM's result on AMX hosts, into the
+ * next bf16 GEMM): each value widened to fp32, the same arithmetic, rounded back once. */
+void pdserve_silu_and_mul_bf16(const uint16_t *restrict gu, int T, int I, uint16_t *restrict out) {
+    for (int t = 0; t < T; t++) {
+        const uint16_t *g = gu + (int64_t)t * 2 * I, *u = g + I;
+        uint16_t *o = out + (int64_t)t * I;
+        int i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        for (; i + 16 <= I; i += 16) {
+            const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i))), 16));
+            const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(u + i))), 16));
+            const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv),
+                                                  _mm512_set1_ps(88.3f)));
+            const __m512 y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), uv);
+            /* round to nearest even; a NaN (from a NaN input) stays a NaN */
+            const __m512i yi = _mm512_castps_si512(y);
+            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(yi, 16), _mm512_set1_epi32(1));
+            __m512i r = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(yi, _mm512_set1_epi32(0x7fff)), lsb), 16);
+            const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+            r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+            _mm256_storeu_si256((__m256i *)(o + i), _mm512_cvtepi32_epi16(r));
+        }
+#endif
+        for (; i < I; i++) {
+            const float gf = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(gf / (1.f + expf(fminf(-gf, 88.3f))) * bf16_to_f32(u[i]));
+        }
     }
 }
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from services import env
 
-ABI = 9
+ABI = 10
 _SOURCE = Path(__file__).with_name("kernels.c")
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
@@ -35,6 +35,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdserve_rope_and_cache_q8": [_P, _L, _P, _L, _P, _L, _I, _I, _I, _I]
     + [_P, _P, _P, _P, _P, _L, _P],
     "pdserve_silu_and_mul": [_P, _I, _I, _P],
+    "pdserve_silu_and_mul_bf16": [_P, _I, _I, _P],
     "pdserve_decode_attention": [_P, _P, _P, _L, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
     "pdserve_decode_step": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P],
     "pdserve_decode_attention_q8": [_P, _P, _P, _L, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
