@@ -122,6 +122,7 @@ class EngineReplica:
             threads = pin_current_process(parse_cpus(pool.cpus), pool.threads)
             engine_cfg = dataclasses.replace(engine_cfg, threads=threads)
         engine = Engine.from_path(cfg.model, engine_cfg)
+        self.profile = {**engine.profile(), "pool": role if role != "both" else "decode"}
         self.engine = AsyncEngine(engine, stall_timeout_s=cfg.request_timeout_s)
         rid = serve_replica_id()
         self.index_id = index_id(rid) if rid is not None else unique_replica_id(role)
@@ -156,9 +157,10 @@ class EngineReplica:
             tuple(sorted(os.sched_getaffinity(0))),
         )
 
-    def record_routing_stats(self) -> dict[str, int]:
+    def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Ray Serve for the request router (``services.router``); never waits for
-        the engine lock (the snapshot is at most one step old)."""
+        the engine lock (the snapshot is at most one step old). ``doctor``: what this engine
+        is and what its steps cost, for the gateway's ``/pdserve/doctor``."""
         s = self.engine.last_stats
         self.metrics.set_gauges(s)
         return {
@@ -167,6 +169,12 @@ class EngineReplica:
             "waiting": s.num_waiting,
             "blocks_free": s.blocks_free,
             "blocks_total": s.blocks_total,
+            "doctor": {
+                "identity": self.index_id,
+                "profile": self.profile,
+                "stats": dataclasses.asdict(s),
+                "steps": self.engine.engine.step_log.snapshot(),
+            },
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -54,6 +54,7 @@ from services.engine.request import FinishReason, Request, RequestOutput, Status
 from services.engine.sampler import History, sample
 from services.engine.sampling_params import SamplingParams, check_prompt
 from services.engine.scheduler import ScheduledSpan, Scheduler
+from services.engine.step_log import StepLog
 from services.engine.step_state import StepState
 from services.engine.stop import StopChecker
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -229,6 +230,7 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.grammars = Grammars(tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.step_log = StepLog()
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._prompt_tokens_computed = 0
@@ -380,16 +382,18 @@ class Engine:
         if not sched.spans:
             return outputs
         self._num_steps += 1
-        now = time.perf_counter()
+        now = step_start = time.perf_counter()
         for s in sched.spans:
             if s.request.timings.first_scheduled is None:
                 s.request.timings.first_scheduled = now
                 if s.request.num_preemptions == 0 and s.request.sent_tokens == 0:
                     self._prefix_hit_tokens += s.start
-            if s.start < s.request.num_prompt:
-                self._prompt_tokens_computed += (
-                    min(s.start + s.num_new, s.request.num_prompt) - s.start
-                )
+        prompt_tokens = sum(
+            min(s.start + s.num_new, s.request.num_prompt) - s.start
+            for s in sched.spans
+            if s.start < s.request.num_prompt
+        )
+        self._prompt_tokens_computed += prompt_tokens
         scoring = [(s, s.prompt_positions) for s in sched.spans if s.prompt_positions]
         logits = self.runner.run(sched.spans, self._stream_hook(sched.spans))
         if scoring:
@@ -426,6 +430,8 @@ class Engine:
                 s.request.request_id, s.request.block_hashes[: s.request.num_computed // bs]
             )
         now = time.perf_counter()
+        decoding = sum(1 for s in sched.spans if s.start >= s.request.num_prompt)
+        self.step_log.record(decoding, prompt_tokens, now - step_start)
         row = 0
         for s, n in sampling:
             if id(s) in failed:  # fails alone: its blocks are freed, its batch goes on
@@ -499,6 +505,31 @@ class Engine:
                 if o.request_id in out:
                     out[o.request_id].extend(o.new_token_ids)
         return [out[rid] for rid in ids]
+
+    def profile(self) -> dict[str, object]:
+        """What this engine is, for a reader that diagnoses it (``pdserve doctor``): its
+        precision, its KV pool and its step budget, and the bytes one decode step reads."""
+        mc, cfg = self.model_config, self.config
+        block = KVCache.bytes_per_block(
+            mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype
+        )
+        return {
+            "model": self.model_id,
+            "role": cfg.role,
+            "device": cfg.device,
+            "dtype": self.dtype_name,
+            "matmul_dtype": self.matmul_dtype_name,
+            "quantization": self.quantization,
+            "kv_cache_dtype": self.kv_dtype,
+            "weight_bytes": self.model.weight_bytes,
+            "kv_bytes_per_token": block // cfg.block_size,
+            "block_size": cfg.block_size,
+            "num_kv_blocks": self.blocks.num_blocks,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "speculative_tokens": cfg.speculative_tokens,
+        }
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -299,6 +299,7 @@ class Gateway:
             [self.model_config.max_position_embeddings, *(x for x in limits if x is not None)]
         )
         pools = ["decode"] if prefill is None else ["prefill", "decode"]
+        self.pools = tuple(pools)
         self.metrics = Metrics(self.model_id, pools, replica_reports)
         self.metrics.index_up.set(1 if self.index is not None else 0)
         self.admission = Admission(
@@ -338,6 +339,23 @@ class Gateway:
         """A chat's prompt ids; markup typed in a message is text unless
         ``special_tokens_in_messages`` (services.engine.tokenizer.Tokenizer.encode_chat)."""
         return self.tokenizer.encode_chat(messages, self.cfg.special_tokens_in_messages)
+
+    def doctor_evidence(self) -> dict[str, Any]:
+        """The cluster as ``pdserve doctor`` reads it: how it serves, and per pool each engine
+        replica's profile, counters and step costs (their latest reports, at most
+        ``routing_stats_period_s`` old)."""
+        cfg = self.cfg
+        return {
+            "model": self.model_id,
+            "mode": cfg.mode,
+            "conditional_threshold": cfg.conditional_threshold,
+            "routing": cfg.routing,
+            "max_model_len": self.max_model_len,
+            "pools": {
+                pool: [r["doctor"] for r in replica_reports(pool) if "doctor" in r]
+                for pool in self.pools
+            },
+        }
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -165,6 +165,11 @@ def build_http_app(gw: Gateway) -> FastAPI:
             generate_latest(gw.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
         )
 
+    @app.get("/pdserve/doctor")
+    async def doctor() -> dict[str, Any]:
+        """What ``pdserve doctor`` reads from a live cluster (behind the API token)."""
+        return gw.doctor_evidence()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         from services.cli import pdserve_version

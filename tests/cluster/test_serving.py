@@ -370,6 +370,31 @@ def test_pdserve_bench_figures_agree_with_the_cluster_s_own(cluster, tmp_path):
     assert recs[1]["server"]["num_cached_tokens"] > 0
 
 
+def test_the_doctor_endpoint_describes_both_pools(cluster):
+    """``/pdserve/doctor``: each replica of each pool with its profile, counters and step costs
+    (from the replicas' routing reports: wait for reports that carry steps)."""
+    complete({"prompt": "The sky is", "max_tokens": 4})
+
+    def evidence() -> dict | None:
+        ev = httpx.get(f"{BASE}/pdserve/doctor", timeout=30).json()
+        pools = ev["pools"]
+        counted = all(
+            len(pools[p]) == 2 and any(r["stats"]["num_steps"] for r in pools[p])
+            for p in ("prefill", "decode")
+        )
+        return ev if counted else None
+
+    ev = eventually(evidence, 60, "reports of both pools with steps", every_s=0.5)
+    assert (ev["model"], ev["mode"]) == (MODEL, "disaggregated")
+    for pool in ("prefill", "decode"):
+        for r in ev["pools"][pool]:
+            assert r["profile"]["pool"] == pool and r["profile"]["weight_bytes"] > 0
+            assert r["profile"]["num_kv_blocks"] == 256
+    steps = [b for r in ev["pools"]["prefill"] for b in r["steps"]]
+    assert steps and all(b["with_prompt"] for b in steps)  # prefill replicas only prefill
+    assert any(b["rows"] > 0 for r in ev["pools"]["decode"] for b in r["steps"])
+
+
 def test_n_choices_and_batched_prompts(cluster):
     import openai
 
