@@ -118,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
         "locally generated workload; comma-separated values make a sweep.",
     )
     add_bench_args(bench)
+
+    from services.doctor.doctor import add_args as add_doctor_args
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="answer the six latency questions for a live cluster or a bench report",
+        description="Input lengths, TTFT split, ITL against batch size, KV pressure, "
+        "quantization headroom, scheduling: numbers, a verdict, the likely cause, an action.",
+    )
+    add_doctor_args(doctor)
     return parser
 
 
@@ -241,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             from services.loadgen.bench import main as bench_main
 
             return bench_main(args)
+        if args.command == "doctor":
+            from services.doctor.doctor import main as doctor_main
+
+            return doctor_main(args)
     except InvalidRequestError as e:
         print(f"pdserve: invalid request: {e}", file=sys.stderr)
         return 2

@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from services.engine.backend import get_backend
+from services.engine.bandwidth import read_gbps
 from services.engine.block_hash import hash_block, hash_blocks, salted_root
 from services.engine.block_manager import BlockManager
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, ModelConfig
 from services.engine.cpu_backend import supports as cpu_backend_supports
 from services.engine.cpu_decode import MAX_BATCH, FusedDecode
 from services.engine.cuda_graphs import DecodeGraphs
@@ -58,6 +59,13 @@ from services.engine.step_log import StepLog
 from services.engine.step_state import StepState
 from services.engine.stop import StopChecker
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def step_params(mc: ModelConfig) -> int:
+    """Weights one decode step multiplies by: every layer's linears and the lm_head."""
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    h, inter = mc.hidden_size, mc.intermediate_size
+    return mc.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * inter) + mc.vocab_size * h
 
 
 def can_prepack(device: str, dtype: torch.dtype) -> bool:
@@ -522,6 +530,10 @@ class Engine:
             "quantization": self.quantization,
             "kv_cache_dtype": self.kv_dtype,
             "weight_bytes": self.model.weight_bytes,
+            # parameters one decode step reads (every linear and the lm_head; the embedding
+            # gathers a few rows): the bytes per step at another precision follow from it
+            "step_params": step_params(mc),
+            "read_gbps": read_gbps(cfg.device),
             "kv_bytes_per_token": block // cfg.block_size,
             "block_size": cfg.block_size,
             "num_kv_blocks": self.blocks.num_blocks,

@@ -395,6 +395,23 @@ def test_the_doctor_endpoint_describes_both_pools(cluster):
     assert any(b["rows"] > 0 for r in ev["pools"]["decode"] for b in r["steps"])
 
 
+def test_pdserve_doctor_on_the_live_cluster(cluster, tmp_path, capsys):
+    """The doctor's probe load and the cluster's own account: six answers, none unknown."""
+    from services.cli import main
+
+    out = tmp_path / "doctor.json"
+    args = ["doctor", "--url", BASE, "--model", MODEL, "--probe-requests", "8",
+            "--probe-concurrency", "2", "--probe-input-len", "fixed:64",
+            "--probe-output-len", "fixed:8", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    answers = json.loads(out.read_text())["answers"]
+    assert [a["number"] for a in answers] == [1, 2, 3, 4, 5, 6]
+    assert all(a["verdict"] in ("fine", "look here") for a in answers), answers
+    assert answers[2]["figures"]["decode_step_ms_by_batch"]  # the decode pool's step costs
+    assert answers[4]["figures"]["floor_ms_now"] > 0
+    assert "pdserve doctor: live cluster" in capsys.readouterr().out
+
+
 def test_n_choices_and_batched_prompts(cluster):
     import openai
 

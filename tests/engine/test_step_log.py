@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_log import StepLog, rows_bucket
 
@@ -36,3 +38,6 @@ def test_the_engine_logs_every_step_and_describes_itself(make_engine):
     p = eng.profile()
     assert p["max_num_batched_tokens"] == 16 and p["num_kv_blocks"] == 64
     assert p["weight_bytes"] > 0 and p["kv_bytes_per_token"] > 0 and p["dtype"] == "float32"
+    assert p["read_gbps"] > 0.1
+    # fp32, tied: the lm_head is the embedding, packed once: 4 bytes a step parameter
+    assert p["weight_bytes"] == pytest.approx(4 * p["step_params"], rel=0.01)
