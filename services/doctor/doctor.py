@@ -31,6 +31,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
     p.add_argument("--json", default=None, help="write the answers here")
+    p.add_argument("--html", default=None, help="write a self-contained HTML report here")
 
 
 def gather(a: argparse.Namespace) -> evidence.Evidence:
@@ -94,4 +95,8 @@ def main(a: argparse.Namespace) -> int:
     if a.json:
         body = {"source": ev.source, "answers": [asdict(x) for x in answers]}
         Path(a.json).write_text(json.dumps(body, indent=1, default=str))
+    if a.html:
+        from services.doctor.html import render
+
+        Path(a.html).write_text(render(answers, ev))
     return 0

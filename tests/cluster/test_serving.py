@@ -402,8 +402,10 @@ def test_pdserve_doctor_on_the_live_cluster(cluster, tmp_path, capsys):
     out = tmp_path / "doctor.json"
     args = ["doctor", "--url", BASE, "--model", MODEL, "--probe-requests", "8",
             "--probe-concurrency", "2", "--probe-input-len", "fixed:64",
-            "--probe-output-len", "fixed:8", "--json", str(out)]  # fmt: skip
+            "--probe-output-len", "fixed:8", "--json", str(out),
+            "--html", str(tmp_path / "doctor.html")]  # fmt: skip
     assert main(args) == 0
+    assert (tmp_path / "doctor.html").read_text().count("<section") == 6
     answers = json.loads(out.read_text())["answers"]
     assert [a["number"] for a in answers] == [1, 2, 3, 4, 5, 6]
     assert all(a["verdict"] in ("fine", "look here") for a in answers), answers
