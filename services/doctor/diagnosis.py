@@ -42,6 +42,54 @@ def _p(xs: list[float], p: float) -> float:
     return percentile(xs, p) if xs else math.nan
 
 
+def measured_costs(ev: Evidence) -> Any:
+    """The cluster's own per-token costs for the simulator (``services.autoscale.modes``):
+    prefill seconds per prompt token from its prompt-only steps, decode step time by batch
+    from its pure decode steps; None without both (two batch sizes at least)."""
+    from services.autoscale.simulator import Costs
+
+    pools = list((ev.cluster or {}).get("pools", {}))
+    only = [b for p in pools for b in ev.steps(p) if b["with_prompt"] and not b["rows"]]
+    tokens = sum(b["prompt_tokens"] for b in only)
+    pure = sorted(
+        (b["decode_rows"] / b["steps"], b["seconds"] / b["steps"])
+        for b in ev.steps("decode")
+        if not b["with_prompt"] and b["rows"]
+    )
+    if not tokens or len(pure) < 2:
+        return None
+    per_token = sum(b["seconds"] for b in only) / tokens
+    prefill = tuple((n, n * per_token) for n in (128.0, 512.0, 2048.0))
+    return Costs(prefill_points=prefill, step_points=tuple(pure))
+
+
+def mode_comparison(ev: Evidence, slo: Slo) -> dict[str, float] | None:
+    """Simulated goodput per replica of each mode at this load's mix, SLOs, replica count and
+    the cluster's measured costs (DistServe's comparison; ``bench/modes_bench.py`` sweeps it)."""
+    from services.autoscale.modes import goodput_per_replica
+
+    costs = measured_costs(ev)
+    recs = ev.records()
+    if costs is None or not recs:
+        return None
+    prompt = round(mean([r["prompt_tokens"] or 0 for r in recs]))
+    output = max(2, round(mean([r["output_tokens"] for r in recs])))
+    n = max(2, len(ev.all_replicas()))
+    return {
+        mode: goodput_per_replica(mode, n, costs, prompt, output, slo.ttft_s, slo.tpot_s)
+        for mode in ("disaggregated", "colocated")
+    }
+
+
+def _quote(cmp: dict[str, float] | None) -> str:
+    if cmp is None:
+        return ""
+    return (
+        f" (simulated at this load's mix, SLOs and measured costs: disaggregated "
+        f"{cmp['disaggregated']:.2f} vs colocated {cmp['colocated']:.2f} requests/s per replica)"
+    )
+
+
 def _inputs(ev: Evidence, slo: Slo) -> Answer:
     q = "Input lengths and the prefill share of the work"
     recs = ev.records()
@@ -60,6 +108,9 @@ def _inputs(ev: Evidence, slo: Slo) -> Answer:
             prompt_time += b["seconds"] if b["with_prompt"] else 0.0
     if total:
         fig["prefill_share_of_engine_time"] = prompt_time / total
+    cmp = mode_comparison(ev, slo)
+    if cmp is not None:
+        fig["simulated_goodput_per_replica"] = cmp
     if not ins:
         return Answer(1, q, UNKNOWN, fig, "no completed request to measure")
     c = ev.cluster or {}
@@ -80,7 +131,7 @@ def _inputs(ev: Evidence, slo: Slo) -> Answer:
             1, q, FINE, fig,
             f"prompts are {ratio:.0f}x the outputs: prefill dominates the work",
             "if ITL suffers (question 3), disaggregate (mode: disaggregated) so decodes stop "
-            "sharing steps with long prefills",
+            "sharing steps with long prefills" + _quote(cmp),
         )  # fmt: skip
     return Answer(1, q, FINE, fig, f"prompt / output tokens: {ratio:.1f}x")
 
@@ -169,7 +220,8 @@ def _itl(ev: Evidence, slo: Slo) -> Answer:
             f"of the same batch, and {fig['decode_steps_with_prompt_share']:.0%} of decode steps "
             "carry one: long prefills stall the decodes",
             "disaggregate (mode: disaggregated, or a conditional_threshold below the long "
-            "prompts), or lower max_num_batched_tokens to cap each chunk",
+            "prompts), or lower max_num_batched_tokens to cap each chunk"
+            + _quote(mode_comparison(ev, slo)),
         )  # fmt: skip
     biggest = max(pure) if pure else 0
     if pure and pure[biggest] > slo.tpot_s:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from services.doctor.diagnosis import FINE, LOOK, UNKNOWN, diagnose
 from services.doctor.evidence import Evidence
 from services.loadgen.stats import Slo
@@ -92,6 +94,18 @@ def test_a_chunk_budget_that_lets_long_prefills_stall_decodes():
     a = diagnose(_evidence(records=slow, decode=stalled, mode="colocated"), SLO)[2]
     assert a.verdict == LOOK and "stall" in a.cause and "max_num_batched_tokens" in a.action
     assert a.figures["prefill_interference"] > 10
+    # the mode advice quotes the simulator at this load's mix and the cluster's own costs
+    assert "simulated at this load's mix" in a.action and "requests/s per replica" in a.action
+
+
+def test_costs_measured_from_the_step_log():
+    from services.doctor.diagnosis import measured_costs
+
+    costs = measured_costs(_evidence())
+    assert costs.prefill_s(512) == pytest.approx(512 * 0.2 / 256)  # 0.2 s per 256-token prompt
+    assert costs.step_points == ((1.0, 0.008), (4.0, 0.012))
+    bench_only = Evidence("bench", None, [{"concurrency": 2, "records": [_record()]}])
+    assert measured_costs(bench_only) is None
 
 
 def test_ttft_names_its_largest_part():
