@@ -18,8 +18,8 @@ fi
 # chromium (Debian's) is the headless browser that checks pdserve doctor's HTML report renders.
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 ||
-    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; }
+  apt-get install -y -q chromium >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
 fi
 # A C compiler builds pdserve's CPU kernels (quantized weights) on first use, for this CPU.
 if ! command -v cc >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
