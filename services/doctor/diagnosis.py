@@ -38,6 +38,16 @@ def diagnose(ev: Evidence, slo: Slo) -> list[Answer]:
     return [q(ev, slo) for q in (_inputs, _ttft, _itl, _kv, _quantization, _scheduling)]
 
 
+def _step_s(ev: Evidence, with_prompt: bool) -> dict[int, float]:
+    """The decode pool's mean step seconds by batch bucket, of steps with or without a prompt
+    chunk (steps without decode rows left out)."""
+    return {
+        b["rows"]: b["seconds"] / b["steps"]
+        for b in ev.steps("decode")
+        if b["with_prompt"] == with_prompt and b["rows"]
+    }
+
+
 def _p(xs: list[float], p: float) -> float:
     return percentile(xs, p) if xs else math.nan
 
@@ -195,10 +205,7 @@ def _itl(ev: Evidence, slo: Slo) -> Answer:
                            "slo_tpot_s": slo.tpot_s}  # fmt: skip
     prof = ev.profile("decode")
     steps = ev.steps("decode")
-    pure = {
-        b["rows"]: b["seconds"] / b["steps"] for b in steps if not b["with_prompt"] and b["rows"]
-    }
-    mixed = {b["rows"]: b["seconds"] / b["steps"] for b in steps if b["with_prompt"] and b["rows"]}
+    pure, mixed = _step_s(ev, with_prompt=False), _step_s(ev, with_prompt=True)
     fig["decode_step_ms_by_batch"] = {k: v * 1e3 for k, v in sorted(pure.items())}
     fig["mixed_step_ms_by_batch"] = {k: v * 1e3 for k, v in sorted(mixed.items())}
     floor = prof["weight_bytes"] / (prof["read_gbps"] * 1e9) if prof else math.nan
@@ -288,7 +295,7 @@ def _quantization(ev: Evidence, slo: Slo) -> Answer:
     bw = prof["read_gbps"] * 1e9
     floors = {k: prof["step_params"] * b / bw for k, b in PRECISION_BYTES.items()}
     now = prof["weight_bytes"] / bw
-    pure = {b["rows"]: b["seconds"] / b["steps"] for b in ev.steps("decode") if not b["with_prompt"] and b["rows"]}  # fmt: skip
+    pure = _step_s(ev, with_prompt=False)
     step1 = pure.get(1, math.nan)
     tpot = [t for r in ev.records() if (t := r.get("tpot_s")) is not None]
     fig = {
