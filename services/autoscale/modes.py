@@ -31,7 +31,7 @@ class _Colo:
     running: list[int] = field(default_factory=list)
     stepping: bool = False
 
-    def outstanding(self, reqs: Sequence[Request], left: list[int]) -> float:
+    def outstanding(self, left: list[int]) -> float:
         return sum(p[1] for p in self.prompts) + sum(left[i] for i in self.running)
 
 
@@ -78,7 +78,7 @@ def simulate_colocated(
     while events:
         now, kind, _, x = heapq.heappop(events)
         if kind == ARRIVE:
-            k = min(range(replicas), key=lambda j: (reps[j].outstanding(requests, left), j))
+            k = min(range(replicas), key=lambda j: (reps[j].outstanding(left), j))
             reps[k].prompts.append([x, requests[x].prompt_tokens])
             start(k, now)
             continue

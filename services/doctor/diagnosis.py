@@ -20,6 +20,7 @@ from services.doctor.evidence import Evidence, mean
 from services.loadgen.stats import Slo, percentile
 
 FINE, LOOK, UNKNOWN = "fine", "look here", "unknown"
+_NEEDS_CLUSTER = "needs a live pdserve cluster (GET /pdserve/doctor)"
 # bytes per weight of each precision pdserve serves (Q8_0: 34 bytes a block of 32; Q4_0: 18)
 PRECISION_BYTES = {"bf16": 2.0, "int8": 34 / 32, "int4": 18 / 32}
 
@@ -254,7 +255,7 @@ def _kv(ev: Evidence, slo: Slo) -> Answer:
     reps = ev.replicas("decode")
     fig: dict[str, Any] = {}
     if not reps:
-        return Answer(4, q, UNKNOWN, fig, "needs a live pdserve cluster (GET /pdserve/doctor)")
+        return Answer(4, q, UNKNOWN, fig, _NEEDS_CLUSTER)
     used, total = ev.stat("decode", "blocks_used"), ev.stat("decode", "blocks_total")
     preempted = ev.stat("decode", "num_preemptions")
     hits = sum(ev.stat(p, "prefix_hit_tokens") for p in ("prefill", "decode"))
@@ -291,7 +292,7 @@ def _quantization(ev: Evidence, slo: Slo) -> Answer:
     q = "Quantization headroom: bytes per step and the decode floor per precision"
     prof = ev.profile("decode")
     if prof is None:
-        return Answer(5, q, UNKNOWN, {}, "needs a live pdserve cluster (GET /pdserve/doctor)")
+        return Answer(5, q, UNKNOWN, {}, _NEEDS_CLUSTER)
     bw = prof["read_gbps"] * 1e9
     floors = {k: prof["step_params"] * b / bw for k, b in PRECISION_BYTES.items()}
     now = prof["weight_bytes"] / bw
@@ -328,7 +329,7 @@ def _scheduling(ev: Evidence, slo: Slo) -> Answer:
     q = "Batching, paging and scheduling"
     prof = ev.profile("decode")
     if prof is None:
-        return Answer(6, q, UNKNOWN, {}, "needs a live pdserve cluster (GET /pdserve/doctor)")
+        return Answer(6, q, UNKNOWN, {}, _NEEDS_CLUSTER)
     steps = ev.steps("decode")
     pure = [b for b in steps if not b["with_prompt"] and b["rows"]]
     rows = sum(b["decode_rows"] for b in pure) / max(1, sum(b["steps"] for b in pure))

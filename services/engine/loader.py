@@ -302,7 +302,7 @@ def _convert_gguf(path: Path, folder: Path, weights: bool) -> None:
     renamed into place when absent; the weights as one file, renamed into it."""
     reader, meta = read_gguf_metadata(path)
     if not (folder / "config.json").is_file():
-        _write_meta(path, folder, reader, meta)
+        _write_meta(folder, reader, meta)
     if weights and not (folder / "model.safetensors").is_file():
         _write_weights(path, folder, reader)
 
@@ -316,7 +316,7 @@ def _gguf_config(reader, meta: dict[str, Any]) -> ModelConfig:  # type: ignore[n
     return config
 
 
-def _write_meta(path: Path, folder: Path, reader, meta: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+def _write_meta(folder: Path, reader, meta: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
     from services.engine.tokenizer import tokenizer_files_from_gguf
 
     config = _gguf_config(reader, meta)

@@ -238,12 +238,12 @@ def build_http_app(gw: Gateway) -> FastAPI:
         prompts = [await gw.tokenized(gw.prompt_ids, p) for p in texts]
         specs = choice_specs(prompts, req.n, params, _tenant(request))
         echo = None
-        if req.echo:  # the prompt as sent; a token-id prompt as its text
-            echo = [
-                t if isinstance(t, str) else gw.tokenizer.decode(t, skip_special_tokens=False)
+        if req.echo:  # the prompt as sent; a token-id prompt as its text (off the event loop)
+            shown = [
+                t if isinstance(t, str) else await gw.tokenized(_decode_all, gw.tokenizer, t)
                 for t in texts
-                for _ in range(req.n)
             ]
+            echo = [t for t in shown for _ in range(req.n)]
         return await respond(
             specs, req.n, req.stream, chat=False, usage_event=req.usage_events, echo=echo
         )
@@ -440,6 +440,10 @@ def build_http_app(gw: Gateway) -> FastAPI:
             await merged.aclose()
 
     return app
+
+
+def _decode_all(tok: Any, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=False)
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:

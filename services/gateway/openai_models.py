@@ -35,30 +35,32 @@ class StreamOptions(BaseModel):
 
 MAX_CHOICES = 64  # choices in one response (prompts x n)
 
+_SAMPLING_UNSUPPORTED = frozenset(
+    {
+        "best_of",
+        "function_call",
+        "functions",
+        "metadata",
+        "modalities",
+        "parallel_tool_calls",
+        "prediction",
+        "reasoning_effort",
+        "service_tier",
+        "store",
+        "suffix",
+        "tool_choice",
+        "tools",
+        "user",
+        "web_search_options",
+        "audio",
+    }
+)
+
 # body kind -> fields pdserve does not implement (refused by name unless neutral)
 UNSUPPORTED: dict[str, frozenset[str]] = {
-    "sampling": frozenset(
-        {
-            "best_of",
-            "function_call",
-            "functions",
-            "metadata",
-            "modalities",
-            "parallel_tool_calls",
-            "prediction",
-            "reasoning_effort",
-            "service_tier",
-            "store",
-            "suffix",
-            "tool_choice",
-            "tools",
-            "user",
-            "web_search_options",
-            "audio",
-        }
-    ),
+    "sampling": _SAMPLING_UNSUPPORTED,
     # vLLM's chat echo (prepend the last message) is not implemented; completions' is
-    "chat": frozenset({"echo"}),
+    "chat": frozenset({"echo"}) | _SAMPLING_UNSUPPORTED,
     "tokenize": frozenset(
         {"continue_final_message", "chat_template", "chat_template_kwargs", "tools"}
     ),
@@ -80,7 +82,7 @@ def check_fields(model: type[BaseModel], body: dict[str, Any], kind: str, where:
         if key in model.model_fields:
             continue
         field = f"{where}{key}"
-        if key in UNSUPPORTED[kind] or (kind == "chat" and key in UNSUPPORTED["sampling"]):
+        if key in UNSUPPORTED[kind]:
             if _neutral(body[key]):
                 del body[key]
                 continue
