@@ -30,7 +30,7 @@ from services.engine.kv_cache import KVCache
 from services.engine.model import LlamaModel
 from services.engine.quant import QuantLinear
 
-MAX_BATCH = 8  # the kernels' rows per pass over the weights (MAX_ROWS in kernels.c)
+MAX_BATCH = 32  # the kernels' rows per pass over the weights (MAX_ROWS in kernels.c)
 
 _P = ctypes.c_void_p
 
@@ -89,16 +89,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _linear(lin: object) -> _Linear:
     assert isinstance(lin, QuantLinear)
-    w = lin.w
+    w = lin.w  # the kernels' blocked layout
     if lin.bias is not None:
         assert lin.bias.dtype == torch.float32
     return _Linear(
         4 if w.kind == "q4" else 8,
         lin.out_features,
         lin.in_features,
-        _ptr(w.qs),
-        _ptr(w.d),
-        _ptr(w.m) if w.kind == "q4" else None,
+        _ptr(w.qb),
+        _ptr(w.db),
+        _ptr(w.mb),
         _ptr(lin.bias),
     )
 

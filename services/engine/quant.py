@@ -8,9 +8,12 @@ Float checkpoints are quantized on load when asked (``quantization: int8 | int4`
 
 ``QuantLinear`` computes with pdserve's C kernels (``cpu_kernels``) for up to ``KERNEL_ROWS``
 rows: decode and small batches, where a step is bound by reading the weights, so reading 4 or 8
-bits per weight instead of 32 is the gain. Larger batches (prefill) are compute-bound; there it
-uses oneDNN on a copy packed at load in the matmul dtype (``pack``: fp32, or bf16 where the CPU
-computes it natively), and otherwise the kernels in slices of 8 rows.
+bits per weight instead of 32 is the gain. The kernels read a blocked copy made at load
+(``blocked``: 16 output rows interleaved per group, unpacked once and used by every row of the
+batch); the canonical ``QuantWeight`` is not kept beside it. Larger batches (prefill) are
+compute-bound; there it uses oneDNN on a copy packed at load in the matmul dtype (``pack``:
+fp32, or bf16 where the CPU computes it natively), and otherwise the kernels in slices of
+``MAX_ROWS`` rows.
 """
 
 from __future__ import annotations
@@ -26,18 +29,26 @@ from services.engine.packed_gemm import packed_gemm
 from services.engine.row_roles import RowRoles, by_role
 
 QK = 32
-# NOTE: the measured crossover with oneDNN's packed GEMM, by the packed copy's dtype: above
-# this many rows the packed GEMM is faster (SmolLM2's linears, one core: fp32 above 16 rows,
-# AMX bf16 above 4: 16.3 vs 15.0 ms at 4 rows, 18.8 vs 26.9 ms at 8)
-KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 4, torch.float16: 4}
+# NOTE: the measured crossover with oneDNN's packed GEMM, by the kernels' SIMD path and the
+# packed copy's dtype: above this many rows the packed GEMM is faster (SmolLM2's 120 linears,
+# one core). AVX2 kernels: fp32 above 16 rows; AMX bf16 above 4 (16.3 vs 15.0 ms at 4 rows,
+# 18.8 vs 26.9 ms at 8). AVX512-VNNI kernels, on a Zen 4 core with AVX512-BF16: bf16 above 16
+# (25.4 vs 30.3 ms at 16 rows, 47.6 vs 47.0 at 32), fp32 never within the kernels' 32 rows.
+KERNEL_ROWS = {
+    "avx512-vnni": {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16},
+    "avx2": {torch.float32: 16, torch.bfloat16: 4, torch.float16: 4},
+}
 
 
 def kernel_rows(pack: torch.dtype | None) -> int:
     """Rows up to which the quantized kernels beat the packed GEMM (all, when not packed)."""
-    return 1 << 30 if pack is None else KERNEL_ROWS[pack]
+    if pack is None:
+        return 1 << 30
+    return KERNEL_ROWS.get(library.simd_level(), KERNEL_ROWS["avx2"])[pack]
 
 
 MAX_IN_FEATURES = 16384  # the kernels' per-group sums live on their stack
+MAX_ROWS = 32  # rows per kernel call (MAX_ROWS in kernels.c)
 Kind = Literal["q4", "q8"]
 
 
@@ -161,6 +172,52 @@ def _from_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantWeight:
     return QuantWeight("q4", qs, scale.contiguous(), mins.contiguous())
 
 
+# ---- the kernels' layout -------------------------------------------------------------------
+BLOCK = 16  # output rows per block of the kernels' layout
+
+
+@dataclass(frozen=True, slots=True)
+class BlockedWeight:
+    """A ``QuantWeight`` in the kernels' layout (``cpu_kernels/kernels.c``, header): per block
+    of 16 output rows and group of 32 inputs, the 16 x 32 values interleaved so one load holds
+    every output's pair of weights (2p, 2p + 1); scales and mins per (block, group, row). Rows
+    past ``rows`` in the last block are zero."""
+
+    kind: Kind
+    rows: int
+    qb: torch.Tensor  # q4: [blocks, groups, 256] uint8; q8: [blocks, groups, 512] int8
+    db: torch.Tensor  # [blocks, groups, 16] fp32
+    mb: torch.Tensor | None  # q4: [blocks, groups, 16] fp32; q8: None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for t in (self.qb, self.db, self.mb) if t is not None
+        )
+
+
+def blocked(w: QuantWeight) -> BlockedWeight:
+    n, k = w.shape
+    g, nb = k // QK, -(-n // BLOCK)
+    pad = nb * BLOCK - n
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [n, g] -> [blocks, groups, 16]
+        t = torch.nn.functional.pad(t, (0, 0, 0, pad))
+        return t.view(nb, BLOCK, g).permute(0, 2, 1).contiguous()
+
+    v = torch.nn.functional.pad(w.values().to(torch.int16), (0, 0, 0, pad)).view(nb, BLOCK, g, QK)
+    if w.kind == "q4":
+        # byte (c, n, e): low nibble w[n][2c + e], high nibble w[n][16 + 2c + e]
+        lo, hi = v[..., :16].reshape(nb, BLOCK, g, 8, 2), v[..., 16:].reshape(nb, BLOCK, g, 8, 2)
+        b = (lo | (hi << 4)).to(torch.uint8)
+        qb = b.permute(0, 2, 3, 1, 4).reshape(nb, g, 256).contiguous()
+        assert w.m is not None
+        return BlockedWeight("q4", n, qb, per_row(w.d), per_row(w.m))
+    # byte (p, n, e): w[n][2p + e]
+    qb = v.reshape(nb, BLOCK, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 512)
+    return BlockedWeight("q8", n, qb.to(torch.int8).contiguous(), per_row(w.d), None)
+
+
 # ---- the linear layer ------------------------------------------------------------------------
 class QuantLinear:
     """``y = x @ W.T + b`` over a ``QuantWeight`` (fp32 activations in and out)."""
@@ -170,13 +227,14 @@ class QuantLinear:
         if lib is None:
             raise RuntimeError(library.load_error())
         self.lib = lib
-        self.w = w
         self.bias = bias
         self.out_features, self.in_features = w.shape
         if self.in_features > MAX_IN_FEATURES:
             raise ValueError(f"input dim {self.in_features} > {MAX_IN_FEATURES} (kernel limit)")
         self.packed = packed_gemm(w.dequantize(), pack)
         self.kernel_rows = kernel_rows(pack)
+        # NOTE: only the kernels' layout is kept (the canonical one would double the bytes)
+        self.w = blocked(w)
 
     @property
     def nbytes(self) -> int:
@@ -203,8 +261,8 @@ class QuantLinear:
         rows, dtype = x.shape[0], x.dtype
         x = x.float().contiguous()
         y = torch.empty((rows, self.out_features), dtype=torch.float32)
-        for a in range(0, rows, 8):
-            self._kernel(x[a : a + 8], y[a : a + 8])
+        for a in range(0, rows, MAX_ROWS):
+            self._kernel(x[a : a + MAX_ROWS], y[a : a + MAX_ROWS])
         if self.bias is not None:
             y.add_(self.bias)
         return y if dtype == torch.float32 else y.to(dtype)
@@ -213,14 +271,14 @@ class QuantLinear:
         m, k = x.shape
         w = self.w
         if w.kind == "q4":
-            assert w.m is not None
+            assert w.mb is not None
             self.lib.pdserve_q4_gemm(
                 x.data_ptr(),
                 m,
                 k,
-                w.qs.data_ptr(),
-                w.d.data_ptr(),
-                w.m.data_ptr(),
+                w.qb.data_ptr(),
+                w.db.data_ptr(),
+                w.mb.data_ptr(),
                 self.out_features,
                 y.data_ptr(),
             )
@@ -229,8 +287,8 @@ class QuantLinear:
                 x.data_ptr(),
                 m,
                 k,
-                w.qs.data_ptr(),
-                w.d.data_ptr(),
+                w.qb.data_ptr(),
+                w.db.data_ptr(),
                 self.out_features,
                 y.data_ptr(),
             )

@@ -1,7 +1,7 @@
 """``batch_invariant``: a request's KV, log-probabilities and so its seeded tokens do not depend
 on the requests it shares steps with (``services.engine.row_roles``). With kernels chosen by
-batch size (``batch_invariant: false``), steps over 16 rows run fp32 packed GEMMs and smaller
-ones the quantized kernels, so the same request rounds differently alone and in a batch; the
+batch size (``batch_invariant: false``), steps over ``kernel_rows`` rows (16 or 32, by the
+kernels' SIMD path) run fp32 packed GEMMs and smaller ones the quantized kernels, so the same request rounds differently alone and in a batch; the
 fault bench found seeded requests that then diverged, and resumed replays that disagreed."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from kvtransfer.outbox import Outbox
 from services.config import load_config
 from services.engine.engine import Engine, resolve_batch_invariant
 from services.engine.precision import cpu_has_native_bf16
+from services.engine.quant import kernel_rows
 from services.engine.row_roles import RowRoles, by_role
 from services.engine.sampling_params import SamplingParams
 
@@ -23,8 +24,13 @@ PROMPTS = [
     "Count to five, slowly:",
     "The capital of France is",
     "Hello there, how are you",
+    "Two plus two equals",
+    "A short poem about rain:",
+    "My favourite colour is",
+    "Give me a word for cat.",
 ]
-MANY = 20  # decode steps of more than 16 rows
+ROWS = kernel_rows(torch.float32)  # by size, steps over this many rows run the packed GEMM
+MANY = ROWS + 4  # decode steps of more than ROWS rows
 
 
 # (batch_invariant, dtype): "auto" on a CPU with native bf16 runs prompt rows through bf16
@@ -73,7 +79,8 @@ def test_a_prompt_s_kv_is_the_same_alone_and_in_a_batch_only_when_batch_invarian
     alone: dict[int, torch.Tensor] = {}
     for i in range(len(prompts)):
         alone |= _prompt_kv(engine, [i], prompts)  # under 16 rows
-    batched = _prompt_kv(engine, list(range(len(prompts))), prompts)  # over 16 rows
+    assert sum(map(len, prompts)) > ROWS
+    batched = _prompt_kv(engine, list(range(len(prompts))), prompts)  # over ROWS rows
     same = [torch.equal(alone[i], batched[i]) for i in range(len(prompts))]
     assert all(same) if invariant else not any(same)
 
@@ -85,7 +92,8 @@ def test_a_prefix_cache_hit_rounds_the_rest_of_the_prompt_as_a_miss_only_when_ba
     engine = _engine(invariant, "prefill", dtype)
     base = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
     full = base + engine.tokenizer.encode(" And then")
-    assert len(base) >= 32 and len(full) - 32 < 16  # a 2-block hit leaves under 16 rows
+    # a miss runs over ROWS rows; a 2-block hit leaves under 16
+    assert len(full) > ROWS and len(base) >= 32 and len(full) - 32 < 16
     miss = _prompt_kv(engine, [0], [full])[0]
     hit = _prompt_kv(engine, [0], [full])[0]  # its first two blocks from the cache
     assert engine.stats().prefix_hit_tokens == 32
@@ -130,7 +138,7 @@ def test_decodes_and_mixed_steps_are_the_same_alone_and_batched_only_when_batch_
     tok = engine.tokenizer
     target = {"t": (tok.encode("Write one line about the sea."), 7)}
     alone = _generate(engine, target)["t"]
-    # the target among MANY decodes (steps over 16 rows), its prompt arriving while they decode
+    # the target among MANY decodes (steps over ROWS rows), its prompt arriving while they decode
     others = {
         f"o{i}": (tok.encode(f"Say something about the number {i}."), 100 + i) for i in range(MANY)
     }

@@ -3,7 +3,9 @@ exactly (no fp32 round trip), and quantized engines against the fp32 engine."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +15,14 @@ from services.engine.config import EngineConfig
 from services.engine.cpu_kernels import library
 from services.engine.loader import load_model
 from services.engine.precision import resolve_quantization
-from services.engine.quant import QuantLinear, QuantWeight, from_gguf
+from services.engine.quant import (
+    BLOCK,
+    MAX_ROWS,
+    QuantLinear,
+    QuantWeight,
+    blocked,
+    from_gguf,
+)
 from services.engine.sampling_params import SamplingParams
 from tests.engine.test_gguf import write_gguf
 
@@ -42,16 +51,68 @@ def test_kernels_equal_fp32_over_the_dequantized_weights(kind, rows):
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_a_rows_result_does_not_depend_on_its_batch(kind):
-    """Up to 8 rows, each row's output is bit-identical to computing it alone: a request's
-    logits do not change with the batch around it (or under speculative verification)."""
+    """Each row's output is bit-identical to computing it alone, within one kernel call
+    (up to MAX_ROWS) and across calls: a request's logits do not change with the batch
+    around it (or under speculative verification)."""
     gen = torch.Generator().manual_seed(9)
     w = QuantWeight.from_float(torch.randn(37, 64, generator=gen), kind)
     lin = QuantLinear(w, None, pack=None)
-    x = torch.randn(8, 64, generator=gen)
+    x = torch.randn(MAX_ROWS + 5, 64, generator=gen)
     together = lin(x)
-    for m in range(8):
+    for m in range(x.shape[0]):
         assert torch.equal(lin(x[m : m + 1]), together[m : m + 1]), m
-    assert torch.equal(lin(x[2:5]), together[2:5])
+    assert torch.equal(lin(x[2:13]), together[2:13])
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_every_simd_path_computes_the_same_bits(kind, tmp_path, monkeypatch):
+    """The AVX512-VNNI, AVX2 and portable paths take the same integer sums and the same
+    rounded steps per (row, output), so one model gives one set of logits on every host."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None
+    narrower = {
+        "avx2": ("-mno-avx512f",),
+        "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
+    }
+    gen = torch.Generator().manual_seed(4)
+    w = QuantWeight.from_float(torch.randn(203, 576, generator=gen), kind)  # a partial block
+    x = torch.randn(13, 576, generator=gen)
+    x[1, 64:96] *= 1e4
+    want = QuantLinear(w, None, pack=None)(x)
+    b = blocked(w)
+    for name, flags in narrower.items():
+        lib = library.bind(library._build(cc, flags))
+        assert library.simd_level() == "portable" or lib.pdserve_kernels_simd() < 3, name
+        got = torch.empty_like(want)
+        if kind == "q4":
+            lib.pdserve_q4_gemm(
+                x.data_ptr(), 13, 576, b.qb.data_ptr(), b.db.data_ptr(), b.mb.data_ptr(), 203,
+                got.data_ptr(),
+            )  # fmt: skip
+        else:
+            lib.pdserve_q8_gemm(
+                x.data_ptr(), 13, 576, b.qb.data_ptr(), b.db.data_ptr(), 203, got.data_ptr()
+            )
+        assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_the_blocked_layout_holds_every_weight(kind):
+    gen = torch.Generator().manual_seed(5)
+    w = QuantWeight.from_float(torch.randn(40, 96, generator=gen), kind)
+    b = blocked(w)
+    nb, g = b.qb.shape[:2]
+    raw = b.qb.view(torch.uint8).to(torch.int16)
+    if kind == "q4":  # [nb, g, c, n, e]: low nibble pair c, high nibble pair c + 8
+        r = raw.view(nb, g, 8, BLOCK, 2)
+        pairs = torch.cat((r & 15, r >> 4), dim=2)  # [nb, g, 16 pairs, n, e]
+    else:
+        pairs = b.qb.to(torch.int16).view(nb, g, 16, BLOCK, 2)
+    vals = pairs.permute(0, 3, 1, 2, 4).reshape(nb * BLOCK, g * 32)
+    assert torch.equal(vals[:40], w.values().to(torch.int16))
+    assert not vals[40:].any()
+    assert torch.equal(b.db.permute(0, 2, 1).reshape(-1, g)[:40], w.d)
 
 
 def test_batches_above_kernel_rows_use_packed_fp32_exactly():

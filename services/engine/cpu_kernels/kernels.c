@@ -1,23 +1,32 @@
 /* CPU kernels of pdserve's quantized linears, built on first use with the host's compiler
  * (-O3 -march=native) and called through ctypes (services/engine/cpu_kernels/library.py).
  *
- * Weights stay in GGUF-style groups of 32 along K (the input dim), one output row each:
- *   q4: 16 bytes of nibbles per group (low nibble = element j, high nibble = element j + 16,
- *       as GGUF Q4_0 / Q4_1 store them), value = d * q + m, q in [0, 15]  (exact for Q4_0,
- *       Q4_1 and Q4_K, whose per-32 scales and mins are products of their fields);
- *   q8: 32 signed bytes per group, value = d * q  (exact for Q8_0).
- * With AVX2 each activation row is first rounded to int16 in groups of 32 (scale = max|x| /
- * 32767: the rounding error is at most 2^-16 of the group's largest value), and each group's
- * dot product runs in integers (vpmaddwd: 16-bit pairs into exact 32-bit sums), scaled once
- * per group: about 1.4x faster than widening every weight to fp32, and far inside the
- * weights' own 4/8-bit error (quality: BENCHMARKS.md). Every (row, output) pair takes the
- * same operations in the same order whatever M, so a row's result does not depend on the
- * batch around it: a request decoded alone, in a batch of up to MAX_ROWS, or as one of the
- * rows of a speculative verification step gets bit-identical logits.
- * Without AVX2 the portable path widens the weights to fp32 (exact up to summation order).
- * (int8-rounded activations, as llama.cpp's dot products use, were measured visibly worse
- * on SmolLM2-135M.) Every function takes row-major, contiguous buffers; K is a multiple of
- * 32; M <= MAX_ROWS.
+ * Weights come in GGUF-style groups of 32 along K (the input dim):
+ *   q4: value = d * q + m, q in [0, 15]  (exact for Q4_0, Q4_1 and Q4_K, whose per-32 scales
+ *       and mins are products of their fields);
+ *   q8: value = d * q, q in [-128, 127]  (exact for Q8_0).
+ * The kernels read them in a blocked layout made once at load (services/engine/quant.py,
+ * ``blocked``): for each block of 16 output rows and each group g, the 16 x 32 values
+ * interleaved so that one 32-byte load widened to 16-bit lanes holds, for each of the 16
+ * outputs, the pair of weights (2p, 2p + 1) of the group:
+ *   q4: 256 bytes per (block, group); byte c * 32 + n * 2 + e holds w[n][2c + e] in its low
+ *       nibble and w[n][16 + 2c + e] in its high nibble (c < 8, n < 16, e < 2);
+ *   q8: 512 bytes per (block, group); byte p * 32 + n * 2 + e holds w[n][2p + e] (p < 16);
+ *   d and m: 16 floats per (block, group), one per output row.
+ * Rows past N in the last block are zero. Each activation row is first rounded to int16 in
+ * groups of 32 (scale = max|x| / 32767: the rounding error is at most 2^-16 of the group's
+ * largest value), and each (group, 16 outputs) dot product runs in integers (vpdpwssd with
+ * AVX512-VNNI, vpmaddwd with AVX2: 16-bit pairs into exact 32-bit sums; a whole group's sum is
+ * exact), converted and scaled once per group: acc = fma(sum, d * sx, acc), then for q4
+ * acc = fma(m, sum(x_g), acc). That is far inside the weights' own 4/8-bit error (quality:
+ * BENCHMARKS.md); int8-rounded activations, as llama.cpp's dot products use, were measured
+ * visibly worse on SmolLM2-135M. Weights are unpacked once per (block, group) and used by
+ * every row of x, so a batch of rows costs little more than one row's pass over the weights.
+ * Every (row, output) pair takes the same operations in the same order whatever M and
+ * whatever the SIMD path (the portable one included: fmaf), so a row's result does not depend
+ * on the batch around it: a request decoded alone, in a batch, or as one of the rows of a
+ * speculative verification step gets bit-identical logits. Every function takes row-major,
+ * contiguous buffers; K is a multiple of 32; M <= MAX_ROWS.
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,14 +35,20 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PD_VNNI512 1
+#endif
 
 #define QK 32
-#define MAX_ROWS 8 /* rows of x per pass over the weights (callers split larger batches) */
+#define MAX_ROWS 32 /* rows of x per pass over the weights (callers split larger batches) */
+#define MAX_GROUPS 512 /* K <= 16384 */
 
-int pdserve_kernels_abi(void) { return 10; }
+int pdserve_kernels_abi(void) { return 11; }
 
 int pdserve_kernels_simd(void) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(PD_VNNI512)
+    return 3;
+#elif defined(__AVX2__) && defined(__FMA__)
     return 2;
 #else
     return 0;
@@ -47,265 +62,183 @@ static inline float hsum(__m256 v) {
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
     return _mm_cvtss_f32(lo);
 }
-
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* x [K] -> xq [K] int16 and sx [K / 32]: x ~= xq * sx per group of 32 (round half even) */
-static void quantize_i16(const float *restrict x, int K, int16_t *restrict xq, float *restrict sx) {
+/* x [K] -> xq [K] int16 and sx [K / 32]: x ~= xq * sx per group of 32 (round half even);
+ * xsum [K / 32]: each group's sum of x (q4's min term) */
+static void quantize_i16(const float *restrict x, int K, int16_t *restrict xq, float *restrict sx,
+                         float *restrict xsum) {
     for (int g = 0; g < K / QK; g++) {
         const float *xg = x + g * QK;
-        float amax = 0.f;
+        float amax = 0.f, s = 0.f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        for (int j = 0; j < QK; j++) s += xg[j];
         const float sc = amax / 32767.f;
         const float div = sc > 0.f ? sc : 1.f;
         sx[g] = sc;
+        xsum[g] = s;
         for (int j = 0; j < QK; j++) xq[g * QK + j] = (int16_t)nearbyintf(xg[j] / div);
     }
 }
 
-
-
-/* sum over groups of mn[g] * xsum[g] (q4's min term), 8 groups at a time: a scalar loop is
- * one long chain of dependent adds (measured as much as a third of a row's time at K = 576) */
-static inline float dot_min(const float *restrict mn, const float *restrict xsum, int G) {
-    __m256 acc = _mm256_setzero_ps();
-    int g = 0;
-    for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xsum + g), acc);
-    float t = hsum(acc);
-    for (; g < G; g++) t += mn[g] * xsum[g];
-    return t;
-}
-
-/* Row m's term of group g: d_g * sx[m, g] * <w_g, xq[m, g]>, the 32 weights of group g as
- * 16-bit lanes lo (elements 0..15) and hi (16..31) */
-static inline __attribute__((always_inline)) __m256
-group_term(__m256i lo, __m256i hi, __m256 dg, const int16_t *restrict xq, const float *restrict sx,
-           int m, int K, int g) {
-    const int16_t *xg = xq + (int64_t)m * K + g * QK;
-    const __m256i p = _mm256_add_epi32(
-        _mm256_madd_epi16(lo, _mm256_load_si256((const __m256i *)xg)),
-        _mm256_madd_epi16(hi, _mm256_load_si256((const __m256i *)(xg + 16))));
-    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sx + m * (K / QK) + g));
-    return _mm256_mul_ps(v, dg);
-}
-
-/* The 32 weights of group g of a q4 row (q: its bytes) as 16-bit lanes; its scale broadcast */
-static inline __attribute__((always_inline)) void
-unpack_q4(const uint8_t *q, const float *dn, int g, __m256i *lo, __m256i *hi, __m256 *dg) {
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + g * 16)));
-    *lo = _mm256_and_si256(w, _mm256_set1_epi16(15));
-    *hi = _mm256_srli_epi16(w, 4);
-    *dg = _mm256_broadcast_ss(dn + g);
-}
-
-static inline __attribute__((always_inline)) void
-unpack_q8(const int8_t *q, const float *dn, int g, __m256i *lo, __m256i *hi, __m256 *dg) {
-    *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * QK)));
-    *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * QK + 16)));
-    *dg = _mm256_broadcast_ss(dn + g);
-}
-
-/* One output row n for every input row m: acc[m] = sum over groups of group_term, added two
- * groups at a time (acc += (t_g + t_g+1)): one dependent add per two groups, so a single row
- * is not bound by the latency of a chain of adds. Per (m, n) the same operations in the same
- * order whatever M, so a row's result does not depend on the batch it is in. */
-#define PD_ROW_LOOP(UNPACK, Q, DN)                                                       \
-    do {                                                                                 \
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();                        \
-        int g = 0;                                                                       \
-        for (; g + 2 <= G; g += 2) {                                                     \
-            __m256i lo0, hi0, lo1, hi1;                                                  \
-            __m256 d0, d1;                                                               \
-            UNPACK(Q, DN, g, &lo0, &hi0, &d0);                                           \
-            UNPACK(Q, DN, g + 1, &lo1, &hi1, &d1);                                       \
-            for (int m = 0; m < M; m++)                                                  \
-                acc[m] = _mm256_add_ps(acc[m], _mm256_add_ps(                            \
-                    group_term(lo0, hi0, d0, xq, sx, m, K, g),                           \
-                    group_term(lo1, hi1, d1, xq, sx, m, K, g + 1)));                     \
-        }                                                                                \
-        if (g < G) {                                                                     \
-            __m256i lo, hi;                                                              \
-            __m256 dg;                                                                   \
-            UNPACK(Q, DN, g, &lo, &hi, &dg);                                             \
-            for (int m = 0; m < M; m++)                                                  \
-                acc[m] = _mm256_add_ps(acc[m], group_term(lo, hi, dg, xq, sx, m, K, g)); \
-        }                                                                                \
-    } while (0)
-
-/* Rows n0..N of y [M, N] from int16 rows xq [M, K] (scales sx [M, G], sums xsum [M, G]) */
-static inline __attribute__((always_inline)) void
-q4_rows_i16_m(const int16_t *restrict xq, const float *restrict sx, const float *restrict xsum,
-              const int M, int K, const uint8_t *restrict qs, const float *restrict d,
-              const float *restrict mn, int n0, int N, float *restrict y) {
-    const int G = K / QK;
-    for (int n = n0; n < N; n++) {
-        const uint8_t *q = qs + (int64_t)n * (K / 2);
-        const float *dn = d + (int64_t)n * G, *mnn = mn + (int64_t)n * G;
-        __m256 acc[MAX_ROWS];
-        PD_ROW_LOOP(unpack_q4, q, dn);
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum(acc[m]) + dot_min(mnn, xsum + m * G, G);
+/* The 16 weight pairs of one (block, group) as 16-bit lanes: w[p] lane 2n + e = w[n][2p + e] */
+#if defined(PD_VNNI512)
+typedef __m512i pd_wvec;
+typedef __m512 pd_fvec;
+#define PD_LANES 16
+static inline __attribute__((always_inline)) void unpack_q4(const uint8_t *q, pd_wvec *w) {
+    const __m512i lo4 = _mm512_set1_epi16(15);
+    for (int c = 0; c < 8; c++) {
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + c * 32)));
+        w[c] = _mm512_and_si512(b, lo4);
+        w[8 + c] = _mm512_srli_epi16(b, 4);
     }
 }
-
-static inline __attribute__((always_inline)) void
-q8_rows_i16_m(const int16_t *restrict xq, const float *restrict sx, const int M, int K,
-              const int8_t *restrict qs, const float *restrict d, int n0, int N,
-              float *restrict y) {
-    const int G = K / QK;
-    for (int n = n0; n < N; n++) {
-        const int8_t *q = qs + (int64_t)n * K;
-        const float *dn = d + (int64_t)n * G;
-        __m256 acc[MAX_ROWS];
-        PD_ROW_LOOP(unpack_q8, q, dn);
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum(acc[m]);
+static inline __attribute__((always_inline)) void unpack_q8(const uint8_t *q, pd_wvec *w) {
+    for (int p = 0; p < 16; p++)
+        w[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + p * 32)));
+}
+/* the exact integer dot product of the group's 32 weights with row xp's 16 int16 pairs, for
+ * each of the 16 outputs (four chains: the sum is exact, so their order does not matter) */
+static inline __attribute__((always_inline)) __m512 group_dot(const pd_wvec *w, const int32_t *xp) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (int p = 0; p < 16; p += 4) {
+        a0 = _mm512_dpwssd_epi32(a0, w[p], _mm512_set1_epi32(xp[p]));
+        a1 = _mm512_dpwssd_epi32(a1, w[p + 1], _mm512_set1_epi32(xp[p + 1]));
+        a2 = _mm512_dpwssd_epi32(a2, w[p + 2], _mm512_set1_epi32(xp[p + 2]));
+        a3 = _mm512_dpwssd_epi32(a3, w[p + 3], _mm512_set1_epi32(xp[p + 3]));
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)));
+}
+#define PD_LOADF(p) _mm512_loadu_ps(p)
+#define PD_SET1F(v) _mm512_set1_ps(v)
+#define PD_ZEROF() _mm512_setzero_ps()
+#define PD_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define PD_MULF(a, b) _mm512_mul_ps(a, b)
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2: a block of 16 outputs runs as two halves of 8 (h: the half's byte offset, 0 or 16) */
+typedef __m256i pd_wvec;
+typedef __m256 pd_fvec;
+#define PD_LANES 8
+static inline __attribute__((always_inline)) void unpack_q4_half(const uint8_t *q, pd_wvec *w) {
+    const __m256i lo4 = _mm256_set1_epi16(15);
+    for (int c = 0; c < 8; c++) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + c * 32)));
+        w[c] = _mm256_and_si256(b, lo4);
+        w[8 + c] = _mm256_srli_epi16(b, 4);
     }
 }
-
-/* M as a compile-time constant: the per-row accumulators stay in registers (a runtime M
- * spilled them: two rows took 2.2x the time of one) */
-#define PD_ROWS_CASES(CALL) \
-    switch (M) { \
-    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
-    case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; \
-    case 7: CALL(7); break; default: CALL(8); break; \
+static inline __attribute__((always_inline)) void unpack_q8_half(const uint8_t *q, pd_wvec *w) {
+    for (int p = 0; p < 16; p++)
+        w[p] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + p * 32)));
+}
+static inline __attribute__((always_inline)) __m256 group_dot(const pd_wvec *w, const int32_t *xp) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+    for (int p = 0; p < 16; p += 2) {
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w[p], _mm256_set1_epi32(xp[p])));
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w[p + 1], _mm256_set1_epi32(xp[p + 1])));
     }
-
-static void q4_rows_i16(const int16_t *restrict xq, const float *restrict sx,
-                        const float *restrict xsum, int M, int K, const uint8_t *restrict qs,
-                        const float *restrict d, const float *restrict mn, int n0, int N,
-                        float *restrict y) {
-#define PD_Q4(m) q4_rows_i16_m(xq, sx, xsum, m, K, qs, d, mn, n0, N, y)
-    PD_ROWS_CASES(PD_Q4)
-#undef PD_Q4
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1));
 }
-
-static void q8_rows_i16(const int16_t *restrict xq, const float *restrict sx, int M, int K,
-                        const int8_t *restrict qs, const float *restrict d, int n0, int N,
-                        float *restrict y) {
-#define PD_Q8(m) q8_rows_i16_m(xq, sx, m, K, qs, d, n0, N, y)
-    PD_ROWS_CASES(PD_Q8)
-#undef PD_Q8
-}
-
-/* M == 1, two output rows per pass (they share each x load): the arithmetic of
- * q4_rows_i16_m per (row, output) exactly, so results equal the batched path's */
-static void q4_one_row_pairs(const int16_t *restrict xq, const float *restrict sx,
-                             const float *restrict xsum, int K, const uint8_t *restrict qs,
-                             const float *restrict d, const float *restrict mn, int N,
-                             float *restrict y) {
-    const int G = K / QK;
-    int n = 0;
-    for (; n + 2 <= N; n += 2) {
-        const uint8_t *qa = qs + (int64_t)n * (K / 2), *qb = qa + K / 2;
-        const float *da = d + (int64_t)n * G, *db = da + G;
-        __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-        int g = 0;
-        for (; g + 2 <= G; g += 2) {
-            __m256i lo0, hi0, lo1, hi1;
-            __m256 d0, d1;
-            unpack_q4(qa, da, g, &lo0, &hi0, &d0);
-            unpack_q4(qa, da, g + 1, &lo1, &hi1, &d1);
-            a = _mm256_add_ps(a, _mm256_add_ps(group_term(lo0, hi0, d0, xq, sx, 0, K, g),
-                                               group_term(lo1, hi1, d1, xq, sx, 0, K, g + 1)));
-            unpack_q4(qb, db, g, &lo0, &hi0, &d0);
-            unpack_q4(qb, db, g + 1, &lo1, &hi1, &d1);
-            b = _mm256_add_ps(b, _mm256_add_ps(group_term(lo0, hi0, d0, xq, sx, 0, K, g),
-                                               group_term(lo1, hi1, d1, xq, sx, 0, K, g + 1)));
-        }
-        if (g < G) {
-            __m256i lo, hi;
-            __m256 dg;
-            unpack_q4(qa, da, g, &lo, &hi, &dg);
-            a = _mm256_add_ps(a, group_term(lo, hi, dg, xq, sx, 0, K, g));
-            unpack_q4(qb, db, g, &lo, &hi, &dg);
-            b = _mm256_add_ps(b, group_term(lo, hi, dg, xq, sx, 0, K, g));
-        }
-        const float *ma = mn + (int64_t)n * G;
-        y[n] = hsum(a) + dot_min(ma, xsum, G);
-        y[n + 1] = hsum(b) + dot_min(ma + G, xsum, G);
-    }
-    if (n < N) q4_rows_i16(xq, sx, xsum, 1, K, qs, d, mn, n, N, y);
-}
+#define PD_LOADF(p) _mm256_loadu_ps(p)
+#define PD_SET1F(v) _mm256_set1_ps(v)
+#define PD_ZEROF() _mm256_setzero_ps()
+#define PD_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define PD_MULF(a, b) _mm256_mul_ps(a, b)
 #endif
 
-/* y[m, n] = sum over groups g of d[n,g] <q4[n,g], x[m,g]> + mn[n,g] * sum(x[m,g]) */
-void pdserve_q4_gemm(const float *restrict x, int M, int K, const uint8_t *restrict qs,
-                     const float *restrict d, const float *restrict mn, int N,
-                     float *restrict y) {
-    const int G = K / QK;
-    float xsum[MAX_ROWS * 512]; /* per-group sums of x: K <= 16384 */
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < G; g++) {
-            float s = 0.f;
-            for (int j = 0; j < QK; j++) s += x[(int64_t)m * K + g * QK + j];
-            xsum[m * G + g] = s;
-        }
-#if defined(__AVX2__) && defined(__FMA__)
-    {
-        int16_t stack[16384] __attribute__((aligned(32)));
-        int16_t *xq = (int64_t)M * K <= 16384 ? stack : aligned_alloc(32, (size_t)M * K * sizeof(int16_t));
-        float sx[MAX_ROWS * 512];
-        for (int m = 0; m < M; m++) quantize_i16(x + (int64_t)m * K, K, xq + (int64_t)m * K, sx + m * G);
-        if (M == 1)
-            q4_one_row_pairs(xq, sx, xsum, K, qs, d, mn, N, y);
-        else
-            q4_rows_i16(xq, sx, xsum, M, K, qs, d, mn, 0, N, y);
-        if (xq != stack) free(xq);
-    }
+/* y [M, N] = x @ W.T from the int16 rows (xq, sx, xsum); kind 4 or 8; see the header */
+static inline __attribute__((always_inline)) void blocked_gemm(int kind, const int16_t *restrict xq, const float *restrict sx,
+                         const float *restrict xsum, int M, int K, const uint8_t *restrict qb,
+                         const float *restrict db, const float *restrict mb, int N,
+                         float *restrict y) {
+    const int G = K / QK, NB = (N + 15) / 16;
+    const int64_t bytes = kind == 4 ? 256 : 512;
+#if defined(PD_VNNI512) || (defined(__AVX2__) && defined(__FMA__))
+    for (int nb = 0; nb < NB; nb++) {
+        for (int h = 0; h < 16; h += PD_LANES) {
+            pd_fvec acc[MAX_ROWS];
+            for (int m = 0; m < M; m++) acc[m] = PD_ZEROF();
+            for (int g = 0; g < G; g++) {
+                const int64_t blk = (int64_t)nb * G + g;
+                const uint8_t *q = qb + blk * bytes + (PD_LANES == 16 ? 0 : 2 * h);
+                pd_wvec w[16];
+#if defined(PD_VNNI512)
+                if (kind == 4) unpack_q4(q, w); else unpack_q8(q, w);
 #else
-    for (int n = 0; n < N; n++) {
-        const uint8_t *q = qs + (int64_t)n * (K / 2);
-        const float *dn = d + (int64_t)n * G, *mnn = mn + (int64_t)n * G;
-        float am[MAX_ROWS];
-        float acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) { acc[m] = 0.f; am[m] = 0.f; }
-        for (int g = 0; g < G; g++) {
-            const uint8_t *qg = q + g * 16;
+                if (kind == 4) unpack_q4_half(q, w); else unpack_q8_half(q, w);
+#endif
+                const pd_fvec dv = PD_LOADF(db + blk * 16 + h);
+                const pd_fvec mv = kind == 4 ? PD_LOADF(mb + blk * 16 + h) : PD_ZEROF();
+                for (int m = 0; m < M; m++) {
+                    const int32_t *xp = (const int32_t *)(xq + (int64_t)m * K + g * QK);
+                    const pd_fvec s = group_dot(w, xp);
+                    acc[m] = PD_FMA(s, PD_MULF(dv, PD_SET1F(sx[m * G + g])), acc[m]);
+                    if (kind == 4) acc[m] = PD_FMA(mv, PD_SET1F(xsum[m * G + g]), acc[m]);
+                }
+            }
+            const int n0 = nb * 16 + h, valid = N - n0 < PD_LANES ? N - n0 : PD_LANES;
             for (int m = 0; m < M; m++) {
-                const float *xg = x + (int64_t)m * K + g * QK;
-                float s = 0.f;
-                for (int j = 0; j < 16; j++) s += (float)(qg[j] & 15) * xg[j] + (float)(qg[j] >> 4) * xg[j + 16];
-                acc[m] += dn[g] * s;
-                am[m] += mnn[g] * xsum[m * G + g];
+                float out[PD_LANES];
+                memcpy(out, &acc[m], sizeof(out));
+                if (valid > 0) memcpy(y + (int64_t)m * N + n0, out, (size_t)valid * sizeof(float));
             }
         }
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = acc[m] + am[m];
     }
+#else
+    /* portable: the SIMD paths' arithmetic lane by lane (fmaf: one rounding, as their fma) */
+    for (int nb = 0; nb < NB; nb++)
+        for (int n = 0; n < 16 && nb * 16 + n < N; n++)
+            for (int m = 0; m < M; m++) {
+                float acc = 0.f;
+                for (int g = 0; g < G; g++) {
+                    const int64_t blk = (int64_t)nb * G + g;
+                    const uint8_t *q = qb + blk * bytes;
+                    const int16_t *xg = xq + (int64_t)m * K + g * QK;
+                    int32_t s = 0;
+                    for (int p = 0; p < 16; p++)
+                        for (int e = 0; e < 2; e++) {
+                            int wv;
+                            if (kind == 4) {
+                                const uint8_t b = q[(p & 7) * 32 + n * 2 + e];
+                                wv = p < 8 ? (b & 15) : (b >> 4);
+                            } else {
+                                wv = (int8_t)q[p * 32 + n * 2 + e];
+                            }
+                            s += wv * xg[2 * p + e];
+                        }
+                    acc = fmaf((float)s, db[blk * 16 + n] * sx[m * G + g], acc);
+                    if (kind == 4) acc = fmaf(mb[blk * 16 + n], xsum[m * G + g], acc);
+                }
+                y[(int64_t)m * N + nb * 16 + n] = acc;
+            }
 #endif
+}
+
+static inline __attribute__((always_inline)) void blocked_linear(int kind, const float *restrict x, int M, int K,
+                           const uint8_t *restrict qb, const float *restrict db,
+                           const float *restrict mb, int N, float *restrict y) {
+    const int G = K / QK;
+    int16_t stack[16384] __attribute__((aligned(64)));
+    int16_t *xq = (int64_t)M * K <= 16384 ? stack : aligned_alloc(64, (((size_t)M * K * 2 + 63) / 64) * 64);
+    float sx[MAX_ROWS * MAX_GROUPS], xsum[MAX_ROWS * MAX_GROUPS];
+    for (int m = 0; m < M; m++)
+        quantize_i16(x + (int64_t)m * K, K, xq + (int64_t)m * K, sx + m * G, xsum + m * G);
+    blocked_gemm(kind, xq, sx, xsum, M, K, qb, db, mb, N, y);
+    if (xq != stack) free(xq);
+}
+
+/* y[m, n] = sum over groups g of d[n,g] <q4[n,g], x[m,g]> + mn[n,g] * sum(x[m,g]) */
+void pdserve_q4_gemm(const float *restrict x, int M, int K, const uint8_t *restrict qb,
+                     const float *restrict db, const float *restrict mb, int N,
+                     float *restrict y) {
+    blocked_linear(4, x, M, K, qb, db, mb, N, y);
 }
 
 /* y[m, n] = sum over groups g of d[n,g] <q8[n,g], x[m,g]> */
-void pdserve_q8_gemm(const float *restrict x, int M, int K, const int8_t *restrict qs,
-                     const float *restrict d, int N, float *restrict y) {
-    const int G = K / QK;
-#if defined(__AVX2__) && defined(__FMA__)
-    {
-        int16_t stack[16384] __attribute__((aligned(32)));
-        int16_t *xq = (int64_t)M * K <= 16384 ? stack : aligned_alloc(32, (size_t)M * K * sizeof(int16_t));
-        float sx[MAX_ROWS * 512];
-        for (int m = 0; m < M; m++) quantize_i16(x + (int64_t)m * K, K, xq + (int64_t)m * K, sx + m * G);
-        q8_rows_i16(xq, sx, M, K, qs, d, 0, N, y);
-        if (xq != stack) free(xq);
-    }
-#else
-    for (int n = 0; n < N; n++) {
-        const int8_t *q = qs + (int64_t)n * K;
-        const float *dn = d + (int64_t)n * G;
-        float acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = 0.f;
-        for (int g = 0; g < G; g++) {
-            const int8_t *qg = q + g * QK;
-            for (int m = 0; m < M; m++) {
-                const float *xg = x + (int64_t)m * K + g * QK;
-                float s = 0.f;
-                for (int j = 0; j < QK; j++) s += (float)qg[j] * xg[j];
-                acc[m] += dn[g] * s;
-            }
-        }
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = acc[m];
-    }
-#endif
+void pdserve_q8_gemm(const float *restrict x, int M, int K, const int8_t *restrict qb,
+                     const float *restrict db, int N, float *restrict y) {
+    blocked_linear(8, x, M, K, (const uint8_t *)qb, db, NULL, N, y);
 }
 
 /* ---- the layer ops around the matmuls (fp32), for the "cpu" backend ---------------------

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from services import env
 
-ABI = 10
+ABI = 11
 _SOURCE = Path(__file__).with_name("kernels.c")
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
@@ -56,9 +56,11 @@ def _cpu_key() -> str:
     return flags
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, flags: tuple[str, ...] = ()) -> Path:
+    """``flags``: extra compiler flags (tests build the narrower SIMD paths with them)."""
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + cc.encode() + _cpu_key().encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + cc.encode() + _cpu_key().encode() + " ".join(flags).encode())
+    key = key.hexdigest()[:16]
     out = Path(env.CACHE_DIR.get()) / "kernels" / f"pdserve_kernels-{key}.so"
     if out.is_file():
         return out
@@ -68,7 +70,7 @@ def _build(cc: str) -> Path:
     try:
         # NOTE: -ffp-contract=off: a * b + c rounds twice, as in torch's reference ops
         cmd = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
-        cmd += [str(_SOURCE), "-o", tmp, "-lm"]
+        cmd += [*flags, str(_SOURCE), "-o", tmp, "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed: {res.stderr.strip()[-800:]}")
@@ -77,6 +79,17 @@ def _build(cc: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def bind(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = _I if name in ("pdserve_kernels_abi", "pdserve_kernels_simd") else None
+    if lib.pdserve_kernels_abi() != ABI:
+        raise OSError("stale kernels library (ABI mismatch)")
+    return lib
 
 
 def load() -> ctypes.CDLL | None:
@@ -89,13 +102,7 @@ def load() -> ctypes.CDLL | None:
             cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
             if cc is None:
                 raise OSError("no C compiler on PATH (install gcc)")
-            lib = ctypes.CDLL(str(_build(cc)))
-            for name, args in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes = args
-                fn.restype = _I if name in ("pdserve_kernels_abi", "pdserve_kernels_simd") else None
-            if lib.pdserve_kernels_abi() != ABI:
-                raise OSError("stale kernels library (ABI mismatch)")
+            lib = bind(_build(cc))
         except (OSError, subprocess.SubprocessError) as e:
             _state["error"] = f"pdserve CPU kernels unavailable: {e}"
             lib = None
@@ -109,6 +116,8 @@ def load_error() -> str | None:
 
 
 def simd_level() -> str:
-    """``avx2`` when the AVX2 + FMA paths were compiled in, ``portable`` otherwise."""
+    """The quantized linears' path compiled in: ``avx512-vnni``, ``avx2`` (AVX2 + FMA) or
+    ``portable``."""
     lib = load()
-    return "none" if lib is None else {2: "avx2"}.get(lib.pdserve_kernels_simd(), "portable")
+    levels = {3: "avx512-vnni", 2: "avx2"}
+    return "none" if lib is None else levels.get(lib.pdserve_kernels_simd(), "portable")
