@@ -96,6 +96,28 @@ def test_pull_then_release_frees_once(box):
     assert outbox.stats()["ended_released"] == 1 and outbox.stats()["held"] == 0
 
 
+def test_a_release_during_an_engine_step_returns_at_once_and_frees_after_the_step(box):
+    """The receiver's release must not wait for the prefill engine's running step (it held
+    every decode replica's first decode step behind a whole prompt chunk); the blocks are
+    freed, once, under the engine lock as soon as the step lets go of it."""
+    outbox, lock, _ = box
+    h = random_handle()
+    entry = outbox.open("r", h.num_computed, stream=False)
+    pinned = _prefill(outbox, lock, entry, h)
+    freed = threading.Event()
+    free = pinned.free
+    pinned.free = lambda: (free(), freed.set())  # type: ignore[method-assign]
+    with lock:  # an engine step is running
+        receiver = threading.Thread(target=outbox.release, args=("r", entry.secret))
+        receiver.start()
+        receiver.join(timeout=10)
+        assert not receiver.is_alive()  # returned although the lock is held
+        assert outbox.state("r") is None and outbox.stats()["ended_released"] == 1
+        assert pinned.frees == 0
+    assert freed.wait(timeout=10)
+    assert pinned.frees == 1
+
+
 def test_early_receiver_streams_then_holds(box):
     outbox, lock, _ = box
     h = random_handle()
