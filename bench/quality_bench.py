@@ -22,10 +22,11 @@ Precisions (``EngineConfig`` fields; all with ``prepack_weights=False`` unless s
   gguf-q4 (decode kernels)
                 quantization="auto": the GGUF's Q4_1 linears and Q8_0 embedding / lm_head kept
                 as they are, computed by pdserve's C kernels (``cpu_kernels/kernels.c`` says
-                how they treat activations) in slices of 8 rows: what every decode step runs
+                how they treat activations) in slices of 32 rows: what every decode step runs
   gguf-q4 (prefill GEMMs)
-                the same with prepack_weights=True: batches over 16 rows (all of prefill) run
-                oneDNN fp32 GEMMs on a dequantized copy, i.e. the fp32 reference's weights
+                the same with prepack_weights=True: batches over the kernels' crossover (all
+                of prefill) run oneDNN fp32 GEMMs on a dequantized copy, i.e. the fp32
+                reference's weights
   int8          quantization="int8": every linear and the embedding in 8-bit groups of 32
                 (the Q4_1 linears requantized from their dequantized values; Q8_0 kept)
   int4          quantization="int4": 4-bit groups of 32 with a min (the Q4_1 linears kept
