@@ -516,7 +516,9 @@ class Engine:
 
     def profile(self) -> dict[str, object]:
         """What this engine is, for a reader that diagnoses it (``pdserve doctor``): its
-        precision, its KV pool and its step budget, and the bytes one decode step reads."""
+        precision, its KV pool and its step budget, and the bytes one decode step reads.
+        NOTE: it measures this host's read bandwidth (a 64 MB pass, about 30 ms): replicas
+        call it once, at start."""
         mc, cfg = self.model_config, self.config
         block = KVCache.bytes_per_block(
             mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype

@@ -24,13 +24,11 @@ def rows_bucket(rows: int) -> int:
 class StepLog:
     def __init__(self) -> None:
         self._buckets: dict[tuple[int, bool], Bucket] = {}
-        self.max_prompt_tokens = 0  # the largest prompt chunk one step carried
 
     def record(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
         key = (rows_bucket(decode_rows), prompt_tokens > 0)
         n, s, r, p = self._buckets.get(key, (0, 0.0, 0, 0))
         self._buckets[key] = (n + 1, s + seconds, r + decode_rows, p + prompt_tokens)
-        self.max_prompt_tokens = max(self.max_prompt_tokens, prompt_tokens)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """One entry per bucket: ``rows`` (bucket), ``with_prompt``, ``steps``, ``seconds``,

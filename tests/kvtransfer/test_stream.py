@@ -20,6 +20,7 @@ from kvtransfer.wire import TransferError
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
 from tests.kvtransfer import sender_proc
+from tests.fixtures import eventually
 from tests.kvtransfer.kv_fixtures import DictSource, feed, iter_pieces, random_handle
 
 LAYOUTS = [
@@ -70,7 +71,8 @@ def test_streamed_kv_is_byte_exact_while_the_sender_feeds_it(transport, layout):
     try:
         stream = src.open_stream(h)
         th, box = _pull_in_thread(client, server.address, h.request_id, h.fingerprint)
-        time.sleep(0.2)  # the receiver is waiting before the first layer exists
+        # the receiver is waiting before the first layer exists
+        eventually(lambda: src.attached, 10, "the receiver attached")
         feed(stream, h, chunks=3, delay_s=0.01).join()
         th.join(20)
         got, finished_unix = box["result"]
@@ -274,7 +276,7 @@ def test_wrong_layout_unknown_request_and_a_second_receiver_are_refused(transpor
         with pytest.raises(UnknownRequestError):
             client.pull_stream(server.address, "nope", h.fingerprint, 5)
         th, box = _pull_in_thread(client, server.address, h.request_id, h.fingerprint)
-        time.sleep(0.3)
+        eventually(lambda: src.attached, 10, "the first receiver attached")
         with pytest.raises(TransferError, match="has a receiver"):
             client.pull_stream(server.address, h.request_id, h.fingerprint, 5)
         feed(stream, h).join()
@@ -294,7 +296,8 @@ def test_concurrent_streams_from_one_sender_do_not_wait_for_each_other(transport
     try:
         s1, s2 = src.open_stream(first), src.open_stream(second)
         th1, box1 = _pull_in_thread(client, server.address, first.request_id, first.fingerprint)
-        time.sleep(0.3)  # the first receiver is attached and waiting for its prefill
+        # the first receiver is attached and waiting for its prefill
+        eventually(lambda: src.attached, 10, "the first receiver attached")
         th2, box2 = _pull_in_thread(client, server.address, "r2", second.fingerprint)
         feed(s2, second).join()
         th2.join(10)

@@ -67,8 +67,9 @@ def test_bench_measures_a_mock_server_s_latencies_and_its_failures(mock_server, 
     (run,) = json.loads(out.read_text())["runs"]
     s = run["summary"]
     assert (s["completed"], s["errors"]) == (8, 0)
-    assert s["ttft_s"]["p50"] == pytest.approx(0.15, abs=0.05)
-    assert s["itl_s"]["p50"] == pytest.approx(0.02, abs=0.01)
+    # the mock's set latencies are floors (its sleeps); a loaded host only adds to them
+    assert 0.12 <= s["ttft_s"]["p50"] <= 0.6
+    assert 0.015 <= s["itl_s"]["p50"] <= 0.1
     assert s["output_tokens"]["p50"] == 10 and s["input_tokens"]["p50"] > 0
     assert all(r["server"] is None for r in run["records"])  # not pdserve: no server timing
     # the server fails every request after its 14th: of the next 8, 6 succeed and 2 fail
