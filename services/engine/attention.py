@@ -146,8 +146,8 @@ class TorchAttention:
     both repeating KV heads and the flash kernel's poor single-query performance.
 
     ``prompt_dtype``: prefill attention casts queries, keys and values to it and its output
-    back (bf16 under fp32 activations on a CPU with native bf16: SDPA's flash kernel runs 2.2x
-    faster there); None computes in the cache's dtype.
+    back (bf16 under fp32 activations on a CPU with AMX: SDPA's flash kernel runs 2.2x faster
+    there; ``precision.prompt_attention_dtype``); None computes in the cache's dtype.
     """
 
     def __init__(self, prompt_dtype: torch.dtype | None = None) -> None:

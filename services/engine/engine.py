@@ -46,6 +46,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.precision import (
     DTYPES,
     prepare_weights,
+    prompt_attention_dtype,
     resolve_dtype,
     resolve_matmul_dtype,
     resolve_quantization,
@@ -147,7 +148,11 @@ class Engine:
         )
         mc = loaded.config
         self.backend = get_backend(
-            config.attention_backend, config.device, dtype, mc.head_dim, matmul_dtype
+            config.attention_backend,
+            config.device,
+            dtype,
+            mc.head_dim,
+            prompt_attention_dtype(matmul_dtype, config.device),
         )
         if self.backend.name == "cpu" and not cpu_backend_supports(dtype, mc.head_dim):
             # NOTE: its C kernels read and write fp32 rows: any other dtype corrupts memory

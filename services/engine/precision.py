@@ -3,9 +3,11 @@ follow from them.
 
 - dtype ``auto``: bfloat16 on CUDA. On CPU float32 activations and KV (the format of pdserve's
   C kernels: fused decode step, attention, quantized linears) with the packed matrix products
-  (prompts, large batches) in bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX: oneDNN's packed bf16 GEMM,
-  5-7x the fp32 GEMM's rate on one AMX core), float32 elsewhere (measured on AVX2: bf16 GEMMs
-  1.5-2x slower than fp32, BENCHMARKS.md). ``float32`` is fp32 everywhere (the reference);
+  (prompts, large batches) in bfloat16 where the CPU computes it natively (AVX512-BF16 or
+  AMX: oneDNN's packed bf16 GEMM, 5-7x the fp32 GEMM's rate on one AMX core, 2.2x on a Zen 4
+  core), float32 elsewhere (measured on AVX2: bf16 GEMMs 1.5-2x slower than fp32,
+  BENCHMARKS.md); prompt attention in bf16 only with AMX (``prompt_attention_dtype``).
+  ``float32`` is fp32 everywhere (the reference);
   ``bfloat16`` is bf16 everywhere (activations and KV too, on the torch attention backend).
 - quantization ``auto``: a GGUF's Q8_0 / Q4_x weights stay quantized on CPU when pdserve's
   kernels build here (they read 4-8x fewer bytes per decode step); float checkpoints stay float;
@@ -28,13 +30,31 @@ _EMBEDDINGS = ("embed_tokens.weight", "lm_head.weight")
 _QUANTIZABLE = ("_proj.weight", *_EMBEDDINGS)
 
 
-def cpu_has_native_bf16() -> bool:
+def _cpu_flags() -> str:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_native_bf16() -> bool:
+    flags = _cpu_flags()
     native = "avx512_bf16" in flags or "amx_bf16" in flags
     return native and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def cpu_has_amx() -> bool:
+    return "amx_bf16" in _cpu_flags() and cpu_has_native_bf16()
+
+
+def prompt_attention_dtype(matmul_dtype: torch.dtype, device: str) -> torch.dtype:
+    """The dtype prompt attention (SDPA) computes in. On CPU under bf16 matmuls, bf16 only
+    where AMX runs it: measured on one core, SDPA's bf16 kernel is 2.2x its fp32 one on AMX,
+    but 0.9x on AVX512-BF16 alone (Zen 4; TTFT at 128 / 512 tokens 211 -> 189 / 908 -> 843 ms
+    in fp32, and no casts around it)."""
+    if torch.device(device).type == "cpu" and matmul_dtype == torch.bfloat16 and not cpu_has_amx():
+        return torch.float32
+    return matmul_dtype
 
 
 def resolve_dtype(name: str, device: str) -> str:

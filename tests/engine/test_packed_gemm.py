@@ -86,6 +86,29 @@ def test_dtype_auto_is_fp32_activations_with_bf16_matmuls_where_native():
         assert resolve_matmul_dtype(name, "cpu") == resolve_dtype(name, "cpu") == name
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_prompt_attention_runs_bf16_only_where_amx_runs_it(monkeypatch, amx):
+    from services.engine import precision
+
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
+    bf16 = precision.prompt_attention_dtype(torch.bfloat16, "cpu")
+    assert bf16 == (torch.bfloat16 if amx else torch.float32)
+    assert precision.prompt_attention_dtype(torch.float32, "cpu") == torch.float32
+    assert precision.prompt_attention_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+
+
+@NATIVE
+def test_the_default_engine_s_prompt_attention_dtype_follows_the_host():
+    from services.engine.config import EngineConfig
+    from services.engine.engine import Engine
+    from services.engine.precision import cpu_has_amx
+
+    eng = Engine.from_path(None, EngineConfig(num_kv_blocks=64))
+    attention = eng.backend.attention
+    reference = getattr(attention, "reference", attention)
+    assert reference.prompt_dtype == (torch.bfloat16 if cpu_has_amx() else None)
+
+
 @NATIVE
 def test_keep_returns_the_bf16_result_itself():
     """What the MLP feeds from gate_up into down on AMX hosts: the same values, not widened."""

@@ -19,8 +19,8 @@ from kvtransfer.transport import get_transport
 from kvtransfer.wire import TransferError
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
-from tests.kvtransfer import sender_proc
 from tests.fixtures import eventually
+from tests.kvtransfer import sender_proc
 from tests.kvtransfer.kv_fixtures import DictSource, feed, iter_pieces, random_handle
 
 LAYOUTS = [
