@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hmac
+import logging
 import queue
 import secrets
 import threading
@@ -59,6 +60,8 @@ from kvtransfer.stream import KVStream, StreamBuffer
 from services.engine.errors import UnknownRequestError
 from services.engine.kv_handle import KVHandle, LayoutFingerprint
 from services.engine.kv_stream import KVPiece, PinnedKV
+
+log = logging.getLogger(__name__)
 
 
 class _Freer:
@@ -85,8 +88,11 @@ class _Freer:
     def _run(self) -> None:
         while True:
             locked, pinned = self._queue.get()
-            with locked():
-                pinned.free()
+            try:
+                with locked():
+                    pinned.free()
+            except Exception:  # a bug: say so, and keep freeing the others
+                log.exception("freeing a released KV hold failed")
 
 
 class Handoff(enum.Enum):

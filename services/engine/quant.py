@@ -34,8 +34,11 @@ QK = 32
 # one core). AVX2 kernels: fp32 above 16 rows; AMX bf16 above 4 (16.3 vs 15.0 ms at 4 rows,
 # 18.8 vs 26.9 ms at 8). AVX512-VNNI kernels, on a Zen 4 core with AVX512-BF16: bf16 above 16
 # (25.4 vs 30.3 ms at 16 rows, 47.6 vs 47.0 at 32), fp32 never within the kernels' 32 rows.
+# AVX512-VNNI kernels beside AMX: not measured yet; 8 rows, where the kernels (2.5x a row's
+# time at 8 rows on Zen 4) stay under the AMX GEMM's bf16 weight read (18.8 ms at 8 rows).
 KERNEL_ROWS = {
     "avx512-vnni": {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16},
+    "avx512-vnni+amx": {torch.float32: 32, torch.bfloat16: 8, torch.float16: 8},
     "avx2": {torch.float32: 16, torch.bfloat16: 4, torch.float16: 4},
 }
 
@@ -44,7 +47,12 @@ def kernel_rows(pack: torch.dtype | None) -> int:
     """Rows up to which the quantized kernels beat the packed GEMM (all, when not packed)."""
     if pack is None:
         return 1 << 30
-    return KERNEL_ROWS.get(library.simd_level(), KERNEL_ROWS["avx2"])[pack]
+    from services.engine.precision import cpu_has_amx  # NOTE: precision imports this module
+
+    level = library.simd_level()
+    if level == "avx512-vnni" and cpu_has_amx():
+        level = "avx512-vnni+amx"
+    return KERNEL_ROWS.get(level, KERNEL_ROWS["avx2"])[pack]
 
 
 MAX_IN_FEATURES = 16384  # the kernels' per-group sums live on their stack
