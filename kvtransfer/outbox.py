@@ -65,21 +65,17 @@ log = logging.getLogger(__name__)
 
 
 class _Freer:
-    """Frees pinned KV under the engine lock off the caller's thread: one daemon thread,
-    started on first use, frees in submission order."""
+    """Frees pinned KV under the engine lock (``locked``) off the caller's thread: one daemon
+    thread, started on first use, frees in submission order."""
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[
-            tuple[Callable[[], AbstractContextManager[object]], PinnedKV]
-        ]
-        self._queue = queue.SimpleQueue()
+    def __init__(self, locked: Callable[[], AbstractContextManager[object]]) -> None:
+        self._locked = locked
+        self._queue: queue.SimpleQueue[PinnedKV] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()
 
-    def submit(
-        self, locked: Callable[[], AbstractContextManager[object]], pinned: PinnedKV
-    ) -> None:
-        self._queue.put((locked, pinned))
+    def submit(self, pinned: PinnedKV) -> None:
+        self._queue.put(pinned)
         with self._start:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kv-freer", daemon=True)
@@ -87,9 +83,9 @@ class _Freer:
 
     def _run(self) -> None:
         while True:
-            locked, pinned = self._queue.get()
+            pinned = self._queue.get()
             try:
-                with locked():
+                with self._locked():
                     pinned.free()
             except Exception:  # a bug: say so, and keep freeing the others
                 log.exception("freeing a released KV hold failed")
@@ -178,7 +174,7 @@ class Outbox:
         self._progressing = progressing
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
-        self._freer = _Freer()
+        self._freer = _Freer(locked)
         self.buffer = (
             None if config.stream_buffer_bytes is None else StreamBuffer(config.stream_buffer_bytes)
         )
@@ -358,6 +354,6 @@ class Outbox:
                 finally:
                     lock.release()  # type: ignore[attr-defined]
             else:
-                self._freer.submit(self._locked, pinned)
+                self._freer.submit(pinned)
         if e.stream is not None:
             e.stream.fail(f"the KV hold ended: {reason}")

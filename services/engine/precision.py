@@ -16,8 +16,6 @@ follow from them.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from services.engine.cpu_kernels import library
@@ -30,21 +28,14 @@ _EMBEDDINGS = ("embed_tokens.weight", "lm_head.weight")
 _QUANTIZABLE = ("_proj.weight", *_EMBEDDINGS)
 
 
-def _cpu_flags() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 def cpu_has_native_bf16() -> bool:
-    flags = _cpu_flags()
+    flags = library.cpu_flags()
     native = "avx512_bf16" in flags or "amx_bf16" in flags
     return native and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def cpu_has_amx() -> bool:
-    return "amx_bf16" in _cpu_flags() and cpu_has_native_bf16()
+    return "amx_bf16" in library.cpu_flags() and cpu_has_native_bf16()
 
 
 def prompt_attention_dtype(matmul_dtype: torch.dtype, device: str) -> torch.dtype:

@@ -189,10 +189,9 @@ class BlockedWeight:
     """A ``QuantWeight`` in the kernels' layout (``cpu_kernels/kernels.c``, header): per block
     of 16 output rows and group of 32 inputs, the 16 x 32 values interleaved so one load holds
     every output's pair of weights (2p, 2p + 1); scales and mins per (block, group, row). Rows
-    past ``rows`` in the last block are zero."""
+    past the weight's own in the last block are zero."""
 
     kind: Kind
-    rows: int
     qb: torch.Tensor  # q4: [blocks, groups, 256] uint8; q8: [blocks, groups, 512] int8
     db: torch.Tensor  # [blocks, groups, 16] fp32
     mb: torch.Tensor | None  # q4: [blocks, groups, 16] fp32; q8: None
@@ -220,10 +219,10 @@ def blocked(w: QuantWeight) -> BlockedWeight:
         b = (lo | (hi << 4)).to(torch.uint8)
         qb = b.permute(0, 2, 3, 1, 4).reshape(nb, g, 256).contiguous()
         assert w.m is not None
-        return BlockedWeight("q4", n, qb, per_row(w.d), per_row(w.m))
+        return BlockedWeight("q4", qb, per_row(w.d), per_row(w.m))
     # byte (p, n, e): w[n][2p + e]
     qb = v.reshape(nb, BLOCK, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 512)
-    return BlockedWeight("q8", n, qb.to(torch.int8).contiguous(), per_row(w.d), None)
+    return BlockedWeight("q8", qb.to(torch.int8).contiguous(), per_row(w.d), None)
 
 
 # ---- the linear layer ------------------------------------------------------------------------

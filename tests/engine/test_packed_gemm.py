@@ -8,7 +8,12 @@ import torch
 
 from services.engine.linear import Linear
 from services.engine.packed_gemm import BF16_INVARIANT_ROWS, PackedGemm
-from services.engine.precision import cpu_has_native_bf16, resolve_dtype, resolve_matmul_dtype
+from services.engine.precision import (
+    cpu_has_amx,
+    cpu_has_native_bf16,
+    resolve_dtype,
+    resolve_matmul_dtype,
+)
 from services.engine.quant import QuantLinear, QuantWeight
 
 NATIVE = pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bf16 on this CPU")
@@ -34,15 +39,8 @@ def test_invariant_calls_round_each_row_as_it_rounds_alone(dtype):
     torch.testing.assert_close(alone, ref, atol=tol, rtol=tol)
 
 
-def _has_amx() -> bool:
-    try:
-        return "amx_bf16" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(
-    not (cpu_has_native_bf16() and _has_amx()),
+    not cpu_has_amx(),
     reason="no AMX: oneDNN's AVX512-BF16 GEMM (a Zen 4 core, measured) rounds rows alike "
     "at any call size",
 )
@@ -101,7 +99,6 @@ def test_prompt_attention_runs_bf16_only_where_amx_runs_it(monkeypatch, amx):
 def test_the_default_engine_s_prompt_attention_dtype_follows_the_host():
     from services.engine.config import EngineConfig
     from services.engine.engine import Engine
-    from services.engine.precision import cpu_has_amx
 
     eng = Engine.from_path(None, EngineConfig(num_kv_blocks=64))
     attention = eng.backend.attention

@@ -10,6 +10,7 @@ reason in ``load_error()``, and callers fall back to torch's kernels or refuse b
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -44,22 +45,23 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_key() -> str:
+@functools.cache
+def cpu_flags() -> str:
+    """This CPU's feature flags (/proc/cpuinfo's ``flags`` line), read once per process."""
     try:
-        flags = next(
+        return next(
             line
             for line in Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("flags")
         )
     except (OSError, StopIteration):
-        flags = platform.processor()
-    return flags
+        return platform.processor()
 
 
 def _build(cc: str, flags: tuple[str, ...] = ()) -> Path:
     """``flags``: extra compiler flags (tests build the narrower SIMD paths with them)."""
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + cc.encode() + _cpu_key().encode() + " ".join(flags).encode())
+    key = hashlib.sha256(src + cc.encode() + cpu_flags().encode() + " ".join(flags).encode())
     key = key.hexdigest()[:16]
     out = Path(env.CACHE_DIR.get()) / "kernels" / f"pdserve_kernels-{key}.so"
     if out.is_file():
