@@ -123,6 +123,10 @@ def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int
         print("pdserve: stopping", file=sys.stderr, flush=True)
     except Interrupted:
         print("pdserve: interrupted while starting; stopping", file=sys.stderr, flush=True)
+        # NOTE: the gateway may admit requests before serve.run returns (it answers /ready as
+        # soon as every pool has a replica; serve.run waits for the controller's next status
+        # round): drain what it admitted, asking briefly, since it may not be up at all
+        drain(cfg.shutdown_grace_s, first_call_s=2)
     finally:
         if not (started_ray and not serving.is_set()):
             # NOTE: Serve's shutdown waits for each replica's graceful stop, which queues
@@ -142,16 +146,17 @@ class Interrupted(BaseException):
     """A stop signal arrived while the app was still starting."""
 
 
-def drain(grace_s: float) -> int:
+def drain(grace_s: float, first_call_s: float = 10) -> int:
     """Stop admitting at the gateway, then wait up to ``grace_s`` for its in-flight requests;
-    returns how many were still running when the wait ended."""
+    returns how many were still running when the wait ended. ``first_call_s``: how long the
+    gateway has to answer the first call (it may still be starting)."""
     import time
 
     from ray import serve
 
     gateway = serve.get_deployment_handle("gateway", app_name=APP)
     try:
-        gateway.drain.remote().result(timeout_s=10)
+        gateway.drain.remote().result(timeout_s=first_call_s)
         deadline = time.monotonic() + grace_s
         while (left := gateway.inflight.remote().result(timeout_s=10)) > 0:
             if time.monotonic() >= deadline:
