@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtransfer.base import KVRef, KVTransferFailedError
+from services.engine.block_hash import BlockHash
 from services.engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -95,3 +96,7 @@ class RouteHint:
     computes_prompt: bool = True  # False: the KV arrives from a prefill replica
     kv_blocks: int = 0  # blocks the request needs on the replica
     prefix_aware: bool = True  # False: least-loaded routing (the baseline)
+    # the prompt's block hash chain (what the gateway looked up) and the block size: the
+    # router remembers where it sent them until the index has caught up
+    block_hashes: tuple[BlockHash, ...] = ()
+    block_size: int = 0

@@ -23,6 +23,15 @@ and passes what it found as the call's ``route`` keyword, a ``RouteHint``):
   a request away from the replica holding its prefix. With several gateways each one
   balances its own share. Decode choice reads the reports (free blocks, running requests),
   merged with this router's in-flight calls.
+- What a replica holds is the index's answer or, if longer, what this router sent it in the
+  last ``_HELD_S`` (the prompt's block hashes ride the hint): the index learns of new blocks
+  only after the replica computed and published them, and a follow-up turn or a burst sharing
+  a system prompt often arrives sooner (a second turn once went to the replica without its
+  conversation because the index had not caught up).
+- A call counts on the replica ranked first from the moment it is ranked (a tentative entry,
+  dropped after ``_TENTATIVE_S``), not only once Serve reports it routed: that report
+  follows a round trip to the replica, and calls ranked in between would all see the same
+  idle replica and pile onto it.
 - ``prefix_aware=False`` (``routing: least_loaded``) ignores the index: the baseline.
 Ranks are single replicas in cost order; Serve sends to the first one whose queue has room.
 
@@ -37,12 +46,14 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from services import router_registry
+from services.engine.block_hash import BlockHash
 from services.pd_flow import RouteHint
 
 log = logging.getLogger(__name__)
@@ -56,6 +67,12 @@ def index_id(replica_id: Any) -> str:
 # prefill calls shorter than this say more about per-call overhead than compute speed
 _RATE_MIN_TOKENS = 256
 _RATE_EWMA = 0.3
+# a routed prompt's blocks count as held this long (covers the index's publish lag; after
+# it the index, which also sees evictions, is the only word)
+_HELD_S = 5.0
+# a ranked call not yet reported routed counts this long (Serve's accept round trip; a call
+# cancelled while waiting never reports)
+_TENTATIVE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -79,6 +96,9 @@ class PdRequestRouter(RequestRouter):
         self._lock = threading.Lock()
         self._now = time.monotonic  # a seam for the unit tests' clock
         self._inflight: dict[str, _Call] = {}  # by Serve's internal request id
+        self._ranked: dict[str, _Call] = {}  # ranked first, not yet reported routed
+        # block hash -> when this router last sent a prompt with it, per replica (oldest first)
+        self._held: dict[ReplicaID, OrderedDict[BlockHash, float]] = {}
         self._rate: dict[ReplicaID, float] = {}  # measured prefill tokens/s, per replica
         self._last_done: dict[ReplicaID, float] = {}
 
@@ -90,8 +110,13 @@ class PdRequestRouter(RequestRouter):
         try:
             hint = _hint(pending_request)
             now = self._now()
+            key = pending_request.metadata.internal_request_id if pending_request else None
             with self._lock:
+                self._ranked.pop(key, None)  # a retry's earlier ranking is not load
+                self._expire(now)
                 ranked = sorted(candidate_replicas, key=lambda r: self._key(r, hint, now))
+                if key is not None and ranked:
+                    self._ranked[key] = self._call(ranked[0].replica_id, hint, now)
             return [[r] for r in ranked]
         except Exception:  # a bug in the policy must not hang the request
             log.exception("request router failed; routing this call to any replica")
@@ -105,8 +130,11 @@ class PdRequestRouter(RequestRouter):
 
     def _load(self, rid: ReplicaID, now: float) -> tuple[float, int, int]:
         """(queued prefill tokens, calls, KV blocks) this router has in flight on ``rid``."""
+        ranked = [c for c in self._ranked.values() if now - c.at <= _TENTATIVE_S]
         calls = sorted(
-            (c.at, c.tokens, c.blocks) for c in self._inflight.values() if c.replica == rid
+            (c.at, c.tokens, c.blocks)
+            for c in [*self._inflight.values(), *ranked]
+            if c.replica == rid
         )
         blocks = sum(b for _, _, b in calls)
         rate = self._rate.get(rid)
@@ -129,7 +157,7 @@ class PdRequestRouter(RequestRouter):
         if hint is None:
             return (queued, running, tie)
         if hint.computes_prompt:
-            cached = _cached(hint, rid)
+            cached = self._cached(hint, rid, now)
             # equal cost: keep the prefix where it is (a copy elsewhere would evict others)
             return (queued + hint.prompt_tokens - cached, -cached, queued, running, tie)
         return (float(free < hint.kv_blocks), running, -free, tie)
@@ -138,14 +166,50 @@ class PdRequestRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         hint = _hint(pending_request)
+        key = pending_request.metadata.internal_request_id
+        with self._lock:
+            now = self._now()
+            self._ranked.pop(key, None)
+            self._inflight[key] = self._call(replica_id, hint, now)
+            if hint is not None and hint.computes_prompt and hint.prefix_aware:
+                held = self._held.setdefault(replica_id, OrderedDict())
+                for h in hint.block_hashes:
+                    held[h] = now
+                    held.move_to_end(h)
+
+    def _call(self, rid: ReplicaID, hint: RouteHint | None, now: float) -> _Call:
         tokens = blocks = 0
         if hint is not None:
             blocks = hint.kv_blocks
             if hint.computes_prompt:
-                tokens = hint.prompt_tokens - _cached(hint, replica_id)
-        call = _Call(replica_id, tokens, blocks, self._now())
-        with self._lock:
-            self._inflight[pending_request.metadata.internal_request_id] = call
+                tokens = hint.prompt_tokens - self._cached(hint, rid, now)
+        return _Call(rid, tokens, blocks, now)
+
+    def _cached(self, hint: RouteHint, rid: ReplicaID, now: float) -> int:
+        """Prompt tokens ``rid`` holds (or will once its calls run): the index's answer, or
+        the run of the prompt's leading blocks this router sent it within ``_HELD_S``."""
+        if not hint.prefix_aware:
+            return 0
+        indexed = hint.cached_tokens.get(index_id(rid), 0)
+        held = self._held.get(rid)
+        run = 0
+        if held:
+            for h in hint.block_hashes:
+                at = held.get(h)
+                if at is None or now - at > _HELD_S:
+                    break
+                run += 1
+        return max(indexed, run * hint.block_size)
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, c in self._ranked.items() if now - c.at > _TENTATIVE_S]:
+            del self._ranked[key]
+        for held in self._held.values():
+            while held:
+                h, at = next(iter(held.items()))
+                if now - at <= _HELD_S:
+                    break
+                del held[h]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:
@@ -169,12 +233,11 @@ class PdRequestRouter(RequestRouter):
         with self._lock:
             for key in [k for k, c in self._inflight.items() if c.replica == replica_id]:
                 self._complete(key)
+            for key in [k for k, c in self._ranked.items() if c.replica == replica_id]:
+                del self._ranked[key]
             self._rate.pop(replica_id, None)
+            self._held.pop(replica_id, None)
         super().on_replica_actor_died(replica_id)
-
-
-def _cached(hint: RouteHint, rid: ReplicaID) -> int:
-    return hint.cached_tokens.get(index_id(rid), 0) if hint.prefix_aware else 0
 
 
 def _hint(pending_request: PendingRequest | None) -> RouteHint | None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 from ray.serve._private.common import DeploymentID, ReplicaID
 
+from services.engine.block_hash import hash_blocks
 from services.pd_flow import RouteHint
 from services.router import PdRequestRouter, index_id
 
@@ -172,3 +173,54 @@ def test_a_dead_replicas_in_flight_work_is_forgotten():
     router._replicas, router._replica_id_set, router._queue_len_gauge_last_update = {}, set(), {}
     router.on_replica_actor_died(a.replica_id)
     assert router.queued_tokens(a.replica_id, router._now()) == 0 and not router._inflight
+
+
+def test_calls_ranked_before_serve_reports_them_routed_spread():
+    """Serve reports a call routed only after the replica accepted it (a round trip): calls
+    ranked in between count on the replica ranked first, so a burst does not pile up."""
+    router, (a, b) = _router(), _replicas(2)
+    first = _first(router, [a, b], RouteHint(500), "p")
+    second = _first(router, [a, b], RouteHint(500), "q")
+    assert first is not second
+    assert _first(router, [a, b], RouteHint(500), "q") is second  # its own retry is not load
+    # reported routed elsewhere (the first rank was full): it counts there instead
+    router.on_request_routed(_pending(RouteHint(500), "p"), second.replica_id, None)
+    assert router.queued_tokens(first.replica_id, router._now()) == 0
+    assert router.queued_tokens(second.replica_id, router._now()) == 1000
+    # a ranked call that never reports (cancelled while waiting) stops counting
+    router._now.t += 2.5
+    assert router.queued_tokens(second.replica_id, router._now()) == 500
+    router.on_request_completed(second.replica_id, "p")
+    _first(router, [a, b], RouteHint(10), "r")  # a ranking expires the stale entries
+    assert not router._ranked.keys() - {"r"}
+
+
+def test_a_prompt_routed_moments_ago_counts_as_held_before_the_index_has_it():
+    router, (a, b) = _router(), _replicas(2)
+    prompt = list(range(96))
+    turn0 = hash_blocks(prompt, 16)
+    turn1 = hash_blocks([*prompt, *range(500, 532)], 16)  # the conversation so far + more
+    router.on_request_routed(_pending(_hinted(96, turn0), "t0"), b.replica_id, None)
+    router.on_request_completed(b.replica_id, "t0")
+    # the index has not caught up (no cached tokens in the hint): b still wins, for 96 tokens
+    follow = _hinted(128, turn1)
+    for _ in range(5):
+        assert _first(router, [a, b], follow, "t1") is b
+    router.on_request_routed(_pending(follow, "t1"), b.replica_id, None)
+    assert router.queued_tokens(b.replica_id, router._now()) == 128 - 96
+    router.on_request_completed(b.replica_id, "t1")
+    # past the hold the index is the only word: cold everywhere, so the less loaded
+    router._now.t += 6.0
+    router.on_request_routed(_pending(RouteHint(50), "busy"), b.replica_id, None)
+    assert _first(router, [a, b], follow) is a
+    # least-loaded routing ignores what it sent where
+    router.on_request_completed(b.replica_id, "busy")
+    router.on_request_routed(_pending(_hinted(96, turn0), "t2"), b.replica_id, None)
+    router.on_request_completed(b.replica_id, "t2")
+    router.on_request_routed(_pending(RouteHint(50), "busy"), b.replica_id, None)
+    assert _first(router, [a, b], replace(follow, prefix_aware=False)) is a
+    assert _first(router, [a, b], follow) is b
+
+
+def _hinted(n: int, hashes) -> RouteHint:  # type: ignore[no-untyped-def]
+    return RouteHint(n, {}, True, 16, block_hashes=tuple(hashes), block_size=16)

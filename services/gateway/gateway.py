@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ray.serve.exceptions import BackPressureError
 
 from services.config import ServeConfig
-from services.engine.block_hash import hash_blocks, salted_root
+from services.engine.block_hash import BlockHash, hash_blocks, salted_root
 from services.engine.errors import InvalidRequestError
 from services.engine.loader import read_model_config, resolve_model
 from services.engine.sampling_params import SamplingParams, check_prompt
@@ -450,18 +450,21 @@ class Gateway:
         """One run of the request through the pools: prefill (or not), then decode."""
         deadline = self.cfg.request_timeout_s
         n = len(spec.prompt_ids)
-        cached = await self.lookup(spec.prompt_ids, spec.params.cache_salt)
+        hashes = self.prompt_hashes(spec.prompt_ids, spec.params.cache_salt)
+        cached = await self.lookup(hashes)
         on_decode = {k: v for k, v in cached.items() if k.startswith("decode-")}
         direct = prefill_on_decode(
             self.cfg.mode, n, max(on_decode.values(), default=0), self.cfg.conditional_threshold
         )
-        blocks = -(-(n + spec.params.max_tokens) // self.cfg.block_size)
+        bs = self.cfg.block_size
+        blocks = -(-(n + spec.params.max_tokens) // bs)
         aware = self.cfg.routing == "prefix_aware"
+        held = tuple(hashes) if aware else ()
         if direct:
-            decode_route = RouteHint(n, on_decode, True, blocks, aware)
+            decode_route = RouteHint(n, on_decode, True, blocks, aware, held, bs)
         else:
             decode_route = RouteHint(n, {}, False, blocks, aware)
-            prefill_route = RouteHint(n, cached, True, blocks, aware)
+            prefill_route = RouteHint(n, cached, True, blocks, aware, held, bs)
         kv: KVRef | None = None
         receiving = None  # a decode call already receiving the KV layer by layer
         try:
@@ -574,17 +577,16 @@ class Gateway:
         timing.prefilled = True
         timing.num_cached_tokens = cached_tokens
 
-    async def lookup(
+    def prompt_hashes(
         self, prompt_ids: Sequence[int], cache_salt: str | None = None
-    ) -> dict[str, int]:
-        """Index replica id -> prompt tokens it holds; {} when routing by load only.
+    ) -> list[BlockHash]:
+        """The block hashes a replica may hold of the prompt: of ``prompt[:-1]``, since the
+        engine always computes the last prompt token (its logits give the first token)."""
+        return hash_blocks(prompt_ids[:-1], self.cfg.block_size, salted_root(cache_salt))
 
-        Hashes ``prompt[:-1]``: the engine always computes the last prompt token (its logits
-        give the first token), so exactly these blocks are reusable."""
-        if self.index is None or time.monotonic() < self._index_down_until:
-            return {}
-        hashes = hash_blocks(prompt_ids[:-1], self.cfg.block_size, salted_root(cache_salt))
-        if not hashes:
+    async def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """Index replica id -> prompt tokens it holds; {} when routing by load only."""
+        if self.index is None or time.monotonic() < self._index_down_until or not hashes:
             return {}
         t = time.perf_counter()
         try:
