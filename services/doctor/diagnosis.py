@@ -198,6 +198,14 @@ def _ttft(ev: Evidence, slo: Slo) -> Answer:
     return Answer(2, q, LOOK, fig, f"TTFT p90 over its SLO; mostly {worst}: {cause}", action)
 
 
+def _twin(pure: dict[int, float], rows: int) -> float:
+    """The pure decode step to compare a mixed step of ``rows`` decode rows with: the same
+    batch, else the nearest larger one (at least as slow: the ratio errs low), else the
+    nearest smaller. A load seldom makes both kinds at every batch size."""
+    above = [k for k in pure if k >= rows]
+    return pure[min(above)] if above else pure[max(pure)]
+
+
 def _itl(ev: Evidence, slo: Slo) -> Answer:
     q = "ITL against batch size, the bandwidth floor, and prefill interference"
     recs = ev.records()
@@ -211,8 +219,7 @@ def _itl(ev: Evidence, slo: Slo) -> Answer:
     fig["mixed_step_ms_by_batch"] = {k: v * 1e3 for k, v in sorted(mixed.items())}
     floor = prof["weight_bytes"] / (prof["read_gbps"] * 1e9) if prof else math.nan
     fig["bandwidth_floor_ms"] = floor * 1e3
-    shared = [k for k in mixed if k in pure]
-    interference = mean([mixed[k] / pure[k] for k in shared]) if shared else math.nan
+    interference = mean([v / _twin(pure, k) for k, v in mixed.items()]) if pure else math.nan
     fig["prefill_interference"] = interference
     n_mixed = sum(b["steps"] for b in steps if b["with_prompt"] and b["rows"])
     n_decode = sum(b["steps"] for b in steps if b["rows"])

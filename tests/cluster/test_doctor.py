@@ -55,8 +55,8 @@ def test_one_decode_replica_under_heavy_decode_load(clusters, tmp_path):
 
 
 def test_a_chunk_budget_that_lets_long_prefills_stall_decodes(clusters, tmp_path):
-    answers = _doctor(tmp_path, "chunky", "--probe-requests", "12", "--probe-concurrency", "4",
-                      "--probe-input-len", "fixed:1500", "--probe-output-len", "fixed:24",
+    answers = _doctor(tmp_path, "chunky", "--probe-requests", "9", "--probe-concurrency", "3",
+                      "--probe-input-len", "fixed:400", "--probe-output-len", "fixed:6",
                       "--slo-tpot", "0.03", "--slo-ttft", "60")  # fmt: skip
     itl = answers[2]
     assert itl["verdict"] == "look here" and "stall" in itl["cause"], itl

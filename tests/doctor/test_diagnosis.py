@@ -98,6 +98,19 @@ def test_a_chunk_budget_that_lets_long_prefills_stall_decodes():
     assert "simulated at this load's mix" in a.action and "requests/s per replica" in a.action
 
 
+def test_stalls_are_found_when_no_pure_step_has_the_mixed_steps_batch():
+    """A light load may mix prompts only into one-row steps while the pure steps ran at 2
+    and 4 rows: the mixed step is compared with the nearest larger batch."""
+    stalled = _replica("decode", [
+        _bucket(2, False, 30, 0.010), _bucket(4, False, 30, 0.012),
+        _bucket(1, True, 8, 1.5, 400),
+    ], prompt_tokens_computed=3_600)  # fmt: skip
+    slow = [_record(tpot=0.3) for _ in range(9)]
+    a = diagnose(_evidence(records=slow, decode=stalled, mode="colocated"), SLO)[2]
+    assert a.verdict == LOOK and "stall" in a.cause, a.cause
+    assert a.figures["prefill_interference"] == pytest.approx(1.5 / 0.010)
+
+
 def test_costs_measured_from_the_step_log():
     from services.doctor.diagnosis import measured_costs
 
