@@ -3,12 +3,14 @@
 A batch-1 decode step of a small model is hundreds of tiny torch ops (about 55 a layer), and
 on CPU each costs a few microseconds of dispatch: for SmolLM2 that was about a third of the
 step. Here each op is one C call (``cpu_kernels/kernels.c``), the same arithmetic in the same
-order as the torch reference (``layer_ops.TorchOps``; -ffp-contract=off), in fp32. Prefill and
-mixed steps with a span longer than SHORT_SPAN keep the torch reference attention (SDPA's
-kernel is the fast one there).
+order as the torch reference (``layer_ops.TorchOps``; -ffp-contract=off), in fp32. Spans
+longer than SHORT_SPAN (prompts) attend through the prompt kernel (``pdserve_prompt_attention``,
+flash-style, AVX-512) on an fp32 cache, else through the torch reference (SDPA).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -45,27 +47,84 @@ def token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     return meta.block_tables[seq].contiguous(), lens
 
 
+@dataclass(slots=True)
+class _SpanPlan:
+    """A step with a prompt span, for the prompt kernel: short spans' tokens as decode rows
+    (``rows``: their flat token rows, None when there are none), long spans by sequence."""
+
+    rows: torch.Tensor | None
+    tables: torch.Tensor  # [len(rows), width] int32
+    lens: torch.Tensor  # [len(rows)] int32
+    spans: list[tuple[int, int, torch.Tensor, int]]  # q_start, q_end, block-table row, ctx
+
+
+def prompt_kernel_fits() -> bool:
+    """The prompt kernel is the fast path here: an AVX-512 CPU (elsewhere its portable C is
+    slower than SDPA's kernel). It also needs an fp32 cache (checked at the first step)."""
+    return "avx512f" in library.cpu_flags().split()
+
+
 class CpuAttention:
     """Decode kernel for steps made of short spans (decodes, speculative verifications);
-    the torch reference (SDPA, fastest for long prompts) for steps with a longer span."""
+    for steps with a longer span the prompt kernel (fp32 cache, AVX-512, ``prompt_dtype``
+    None) or else the torch reference (SDPA). Measured on one Zen 4 core (SmolLM2: 9 heads, 3
+    KV heads, 64 dims; ``bench/prompt_attention_bench.py``): 1.9x SDPA's fp32 causal kernel
+    at 256-512 tokens. With ``prompt_dtype`` bf16 (AMX hosts) SDPA's bf16 kernel stays."""
 
     def __init__(self, prompt_dtype: torch.dtype | None = None) -> None:
         self.lib = _lib()
         self.reference = TorchAttention(prompt_dtype)
+        self.prompt_kernel = prompt_dtype is None and prompt_kernel_fits()
         self._scores = torch.empty(0)
+        self._scratch = torch.empty(0)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if max(meta.query_lens) <= SHORT_SPAN:
             meta.plan = token_rows(meta)
+        elif self.prompt_kernel:
+            meta.plan = _span_plan(meta)
         else:
             self.reference.prepare(meta)
 
     def forward(
         self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if not isinstance(meta.plan, tuple):
+        plan = meta.plan
+        if isinstance(plan, _SpanPlan) and (cache.quantized or cache.dtype != torch.float32):
+            self.prompt_kernel = False  # this engine's cache: the reference from now on
+            self.reference.prepare(meta)
+            plan = meta.plan
+        if isinstance(plan, tuple):
+            return self._decode(q, cache, layer, meta, *plan)
+        if not isinstance(plan, _SpanPlan):
             return self.reference.forward(q, cache, layer, meta)
-        tables, lens = meta.plan
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if plan.rows is not None:
+            out[plan.rows] = self._decode(q[plan.rows], cache, layer, meta, plan.tables, plan.lens)
+        kc, vc = cache.k[layer], cache.v[layer]  # [kv_heads, blocks, block_size, head_dim]
+        _, heads, dim = q.shape
+        for q_start, q_end, table, ctx in plan.spans:
+            need = self.lib.pdserve_prompt_attention_scratch(ctx, heads, kc.shape[0], dim)
+            if self._scratch.numel() < need:
+                self._scratch = torch.empty(need)
+            self.lib.pdserve_prompt_attention(
+                q[q_start].data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1] * kc.shape[2],
+                table.data_ptr(), ctx, q_end - q_start, heads, kc.shape[0], dim,
+                meta.block_size, meta.sliding_window or 0, dim**-0.5, out[q_start].data_ptr(),
+                self._scratch.data_ptr(),
+            )  # fmt: skip
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        meta: AttentionMetadata,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> torch.Tensor:
         kc, vc = cache.k[layer], cache.v[layer]  # [kv_heads, blocks, block_size, row]
         b, heads, dim = q.shape
         # one kv head's query group's scores, then the context rows' offsets (int64)
@@ -86,6 +145,27 @@ class CpuAttention:
             out.data_ptr(), self._scores.data_ptr(),
         )  # fmt: skip
         return out
+
+
+def _span_plan(meta: AttentionMetadata) -> _SpanPlan:
+    starts = meta.query_start_loc.tolist()
+    rows: list[int] = []
+    seqs: list[int] = []
+    lens: list[int] = []
+    spans = []
+    for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        if n <= SHORT_SPAN:  # token by token, as token_rows
+            rows += range(starts[i], starts[i] + n)
+            seqs += [i] * n
+            lens += range(ctx - n + 1, ctx + 1)
+        else:
+            spans.append((starts[i], starts[i] + n, meta.block_tables[i].contiguous(), ctx))
+    return _SpanPlan(
+        torch.tensor(rows) if rows else None,
+        meta.block_tables[seqs].contiguous(),
+        torch.tensor(lens, dtype=torch.int32),
+        spans,
+    )
 
 
 class CpuOps:

@@ -107,3 +107,113 @@ def test_decode_attention_matches_reference(cpu, window, block_size, kv_dtype, d
         att.prepare(meta)
         outs.append(att.forward(q, cache, 0, meta))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def _prompt_case(block_size: int, dim: int, ctx: int, seed: int = 0):  # type: ignore[no-untyped-def]
+    """A cache holding one sequence of ``ctx`` positions in shuffled blocks: (cache, table)."""
+    torch.manual_seed(seed)
+    blocks = -(-ctx // block_size) + 3
+    cache = KVCache(1, blocks, block_size, 3, dim, torch.float32, "cpu")
+    every = torch.arange(blocks * block_size)
+    cache.write(0, torch.randn(len(every), 3, dim), torch.randn(len(every), 3, dim), every)
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed))
+    return cache, table[: -(-ctx // block_size)].tolist()
+
+
+def _run_prompt(lib, cache, table, q, ctx, window=0):  # type: ignore[no-untyped-def]
+    n, heads, dim = q.shape
+    out = torch.empty_like(q)
+    scratch = torch.empty(lib.pdserve_prompt_attention_scratch(ctx, heads, 3, dim))
+    t = torch.tensor(table, dtype=torch.int32)
+    kc, vc = cache.k[0], cache.v[0]
+    lib.pdserve_prompt_attention(
+        q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1] * kc.shape[2], t.data_ptr(), ctx,
+        n, heads, 3, dim, cache.block_size, window, dim**-0.5, out.data_ptr(), scratch.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def _sdpa64(cache, table, q, ctx, window=0):  # type: ignore[no-untyped-def]
+    """Causal attention of the span's rows in float64 (the rows are the last n of ctx)."""
+    n = q.shape[0]
+    bs = cache.block_size
+    slots = (torch.tensor(table)[:, None] * bs + torch.arange(bs)).flatten()[:ctx]
+    k, v = (c[0].flatten(1, 2)[:, slots].double() for c in (cache.k, cache.v))
+    q_pos = torch.arange(ctx - n, ctx)[:, None]
+    k_pos = torch.arange(ctx)[None, :]
+    mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(0, 1)[None], k[None], v[None], attn_mask=mask, enable_gqa=True
+    )
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "ctx,n,window,block_size,dim",
+    [(37, 37, 0, 16, 64), (300, 300, 0, 16, 64), (333, 41, 0, 4, 64), (300, 300, 100, 16, 64),
+     (130, 20, 9, 1, 64), (200, 200, 0, 16, 32), (70, 70, 0, 8, 40)],
+)  # fmt: skip
+def test_prompt_attention_matches_float64_on_every_simd_path(
+    ctx, n, window, block_size, dim, tmp_path, monkeypatch
+):
+    """The prompt kernel on this CPU's build and on the narrower builds (AVX2, portable C):
+    causal (and windowed) attention of a span after a cached prefix, read through a shuffled
+    block table, within fp32 rounding of float64."""
+    import os
+    import shutil
+
+    cache, table = _prompt_case(block_size, dim, ctx)
+    q = torch.randn(n, 9, dim)
+    want = _sdpa64(cache, table, q, ctx, window)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    libs = {"native": library.load()}
+    if ctx == 300 and window == 0:  # one case is enough to check the other builds
+        for name, flags in {"avx2": ("-mno-avx512f",),
+                            "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}.items():  # fmt: skip
+            libs[name] = library.bind(library._build(cc, flags))  # type: ignore[arg-type]
+        assert libs["portable"].pdserve_kernels_simd() == 0
+    for name, lib in libs.items():
+        got = _run_prompt(lib, cache, table, q, ctx, window)
+        err = float((got.double() - want).abs().max())
+        assert err < 5e-6, (name, err)
+
+
+def test_prompt_attention_gives_a_row_the_same_bits_however_the_prompt_is_chunked():
+    """Key blocks start at position 0 whatever the span: a prompt in one span, or as a prefix
+    then the rest (chunked prefill, a prefix-cache hit), gives each row the same bits."""
+    lib = library.load()
+    cache, table = _prompt_case(16, 64, 200, seed=3)
+    q = torch.randn(200, 9, 64)
+    whole = _run_prompt(lib, cache, table, q, 200)
+    for cut in (1, 64, 77, 199):
+        head = _run_prompt(lib, cache, table, q[:cut].contiguous(), cut)
+        tail = _run_prompt(lib, cache, table, q[cut:].contiguous(), 200)
+        assert torch.equal(torch.cat([head, tail]), whole), cut
+
+
+@pytest.mark.skipif(
+    "avx512f" not in library.cpu_flags().split(), reason="the prompt kernel runs on AVX-512"
+)
+def test_a_mixed_step_attends_prompts_by_kernel_and_short_spans_by_the_decode_kernel(cpu):
+    """A step of a long prompt span, a decode row, a 3-token verification span and a second
+    prompt after a cached prefix: the cpu backend plans the prompt kernel, and every row
+    matches the torch reference."""
+    from services.engine.cpu_backend import _SpanPlan
+
+    att = cpu[0]
+    assert att.prompt_kernel
+    torch.manual_seed(5)
+    cache = KVCache(1, 64, 16, 3, 64, torch.float32, "cpu")
+    every = torch.arange(64 * 16)
+    cache.write(0, torch.randn(len(every), 3, 64), torch.randn(len(every), 3, 64), every)
+    spans = [SeqSpan(0, 40, [0, 1, 2]), SeqSpan(20, 1, [3, 4]), SeqSpan(50, 3, [5, 6, 7, 8]),
+             SeqSpan(64, 30, [9, 10, 11, 12, 13, 14])]  # fmt: skip
+    q = torch.randn(40 + 1 + 3 + 30, 9, 64)
+    outs = []
+    for a in (TorchAttention(), att):
+        meta = build_metadata(spans, 16, "cpu", None)
+        a.prepare(meta)
+        outs.append(a.forward(q, cache, 0, meta))
+    assert isinstance(meta.plan, _SpanPlan) and len(meta.plan.spans) == 2
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -43,7 +43,7 @@
 #define MAX_ROWS 32 /* rows of x per pass over the weights (callers split larger batches) */
 #define MAX_GROUPS 512 /* K <= 16384 */
 
-int pdserve_kernels_abi(void) { return 11; }
+int pdserve_kernels_abi(void) { return 12; }
 
 int pdserve_kernels_simd(void) {
 #if defined(PD_VNNI512)
@@ -636,6 +636,200 @@ void pdserve_decode_attention_q8(const float *restrict q, const uint8_t *restric
                                  float *restrict scores) {
     decode_attention(q, k_cache, v_cache, num_slots, D + D / 8, 1, tables, table_stride,
                      seq_lens, B, H, KVH, D, block_size, window, scale, out, scores);
+}
+
+
+/* ---- prompt attention -------------------------------------------------------------------
+ * One sequence's span of n new tokens at positions [ctx - n, ctx), attending causally (and
+ * within `window` when > 0) to its context [0, ctx) read through its block table; fp32 cache
+ * [KVH, num_slots, D]; q [n, H, D], out [n, H, D]. Flash-style: per KV head the context's keys
+ * are gathered once, transposed in blocks of PA_KEYS ([D][PA_KEYS] each, so 16 keys' scores are
+ * one FMA chain per query row), and its values contiguous; then tiles of PA_ROWS positions x the head group's G query
+ * heads walk the keys in blocks of PA_KEYS with an online softmax (running max and sum), the
+ * output accumulated in fp32 and divided by the sum at the end.
+ * Invariants: a query row's result depends only on its own q, position and context (the key
+ * blocks start at 0 whatever the span: chunking a prompt differently gives the same bits);
+ * softmax as in decode_attention (exp after subtracting the running max).
+ * scratch: pdserve_prompt_attention_scratch(ctx, H, KVH, D) floats. */
+#define PA_ROWS 8
+#define PA_KEYS 32
+
+int64_t pdserve_prompt_attention_scratch(int ctx, int H, int KVH, int D) {
+    const int64_t padded = ((int64_t)ctx + PA_KEYS - 1) / PA_KEYS * PA_KEYS;
+    const int64_t G = H / KVH;
+    return 2 * padded * D + G * PA_ROWS * (2 * (int64_t)D + 2) + PA_ROWS * PA_KEYS + 64;
+}
+
+void pdserve_prompt_attention(const float *restrict q, const float *restrict k_cache,
+                              const float *restrict v_cache, int64_t num_slots,
+                              const int32_t *restrict table, int ctx, int n, int H, int KVH,
+                              int D, int block_size, int window, float scale,
+                              float *restrict out, float *restrict scratch) {
+    const int G = H / KVH, start = ctx - n;
+    const int64_t padded = ((int64_t)ctx + PA_KEYS - 1) / PA_KEYS * PA_KEYS;
+    float *kt = scratch, *vv = kt + padded * D;
+    float *qs = vv + padded * D, *acc = qs + (int64_t)G * PA_ROWS * D;
+    float *mx = acc + (int64_t)G * PA_ROWS * D, *sum = mx + G * PA_ROWS;
+    float *sc = sum + G * PA_ROWS; /* [PA_ROWS][PA_KEYS] */
+    for (int g = 0; g < KVH; g++) {
+        const float *kc = k_cache + (int64_t)g * num_slots * D, *vc = v_cache + (int64_t)g * num_slots * D;
+        /* keys blocked [padded / PA_KEYS][D][PA_KEYS] (one block's columns contiguous: a
+         * [D][ctx] layout strides by ctx floats, and at long contexts those rows collide in
+         * the same L1 sets), values [padded][D]; zeros past the context */
+        for (int64_t j0 = 0; j0 < padded; j0 += PA_KEYS) {
+            float *kb = kt + j0 * D;
+            const float *rows_k[PA_KEYS];
+            for (int j = 0; j < PA_KEYS; j++) {
+                const int64_t p = j0 + j;
+                if (p < ctx) {
+                    const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+                    rows_k[j] = kc + slot * D;
+                    memcpy(vv + p * D, vc + slot * D, sizeof(float) * D);
+                } else {
+                    rows_k[j] = NULL;
+                    memset(vv + p * D, 0, sizeof(float) * D);
+                }
+            }
+            for (int d = 0; d < D; d++)
+                for (int j = 0; j < PA_KEYS; j++) kb[d * PA_KEYS + j] = rows_k[j] ? rows_k[j][d] : 0.f;
+        }
+        for (int t0 = 0; t0 < n; t0 += PA_ROWS) {
+            const int rows = n - t0 < PA_ROWS ? n - t0 : PA_ROWS;
+            const int last = start + t0 + rows - 1; /* the tile's last position */
+            int first = 0;
+            if (window > 0 && start + t0 - window + 1 > 0) first = start + t0 - window + 1;
+            for (int h = 0; h < G; h++)
+                for (int r = 0; r < PA_ROWS; r++) {
+                    float *qr = qs + ((int64_t)h * PA_ROWS + r) * D;
+                    const float *src = q + ((int64_t)(t0 + r) * H + g * G + h) * D;
+                    for (int d = 0; d < D; d++) qr[d] = r < rows ? src[d] * scale : 0.f;
+                    mx[h * PA_ROWS + r] = -INFINITY;
+                    sum[h * PA_ROWS + r] = 0.f;
+                    memset(acc + ((int64_t)h * PA_ROWS + r) * D, 0, sizeof(float) * D);
+                }
+            for (int k0 = first / PA_KEYS * PA_KEYS; k0 <= last; k0 += PA_KEYS) {
+                for (int h = 0; h < G; h++) {
+                    const float *qh = qs + (int64_t)h * PA_ROWS * D;
+                    /* scores [PA_ROWS][PA_KEYS] of this block */
+#if defined(__AVX512F__)
+                    __m512 s0[PA_ROWS], s1[PA_ROWS];
+                    for (int r = 0; r < PA_ROWS; r++) s0[r] = s1[r] = _mm512_setzero_ps();
+                    const float *kb = kt + (int64_t)k0 * D;
+                    for (int d = 0; d < D; d++) {
+                        const __m512 a = _mm512_loadu_ps(kb + d * PA_KEYS);
+                        const __m512 b = _mm512_loadu_ps(kb + d * PA_KEYS + 16);
+                        for (int r = 0; r < PA_ROWS; r++) {
+                            const __m512 x = _mm512_set1_ps(qh[(int64_t)r * D + d]);
+                            s0[r] = _mm512_fmadd_ps(x, a, s0[r]);
+                            s1[r] = _mm512_fmadd_ps(x, b, s1[r]);
+                        }
+                    }
+                    for (int r = 0; r < PA_ROWS; r++) {
+                        _mm512_storeu_ps(sc + r * PA_KEYS, s0[r]);
+                        _mm512_storeu_ps(sc + r * PA_KEYS + 16, s1[r]);
+                    }
+#else
+                    for (int r = 0; r < PA_ROWS; r++)
+                        for (int j = 0; j < PA_KEYS; j++) {
+                            float dot = 0.f;
+                            for (int d = 0; d < D; d++) dot = fmaf(qh[(int64_t)r * D + d], kt[(int64_t)k0 * D + d * PA_KEYS + j], dot);
+                            sc[r * PA_KEYS + j] = dot;
+                        }
+#endif
+                    for (int r = 0; r < rows; r++) {
+                        const int pos = start + t0 + r;
+                        const int lo = window > 0 ? pos - window + 1 : 0;
+                        float *srow = sc + r * PA_KEYS, *mr = mx + h * PA_ROWS + r;
+                        float *lr = sum + h * PA_ROWS + r, *o = acc + ((int64_t)h * PA_ROWS + r) * D;
+#if defined(__AVX512F__)
+                        __m512 x0 = _mm512_loadu_ps(srow), x1 = _mm512_loadu_ps(srow + 16);
+                        if (k0 + PA_KEYS - 1 > pos || k0 < lo) { /* a block the row sees in part */
+                            const __m512i k = _mm512_add_epi32(_mm512_set1_epi32(k0),
+                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+                            const __m512i k16 = _mm512_add_epi32(k, _mm512_set1_epi32(16));
+                            const __m512i pv = _mm512_set1_epi32(pos), lv = _mm512_set1_epi32(lo);
+                            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                            x0 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k, pv) & _mm512_cmpge_epi32_mask(k, lv), x0);
+                            x1 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k16, pv) & _mm512_cmpge_epi32_mask(k16, lv), x1);
+                        }
+                        const float m = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+                        if (m == -INFINITY) continue; /* nothing to attend in this block */
+                        const float m_new = m > *mr ? m : *mr;
+                        const float corr = *mr == -INFINITY ? 0.f : expf(*mr - m_new);
+                        const __m512 mv = _mm512_set1_ps(m_new);
+                        const __m512 e0 = exp512(_mm512_sub_ps(x0, mv));
+                        const __m512 e1 = exp512(_mm512_sub_ps(x1, mv));
+                        _mm512_storeu_ps(srow, e0);
+                        _mm512_storeu_ps(srow + 16, e1);
+                        const float l = _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+#else
+                        float m = -INFINITY;
+                        for (int j = 0; j < PA_KEYS; j++) {
+                            const int key = k0 + j;
+                            if (key > pos || key < lo) srow[j] = -INFINITY;
+                            else if (srow[j] > m) m = srow[j];
+                        }
+                        if (m == -INFINITY) continue; /* nothing to attend in this block */
+                        const float m_new = m > *mr ? m : *mr;
+                        const float corr = *mr == -INFINITY ? 0.f : expf(*mr - m_new);
+                        float l = 0.f;
+                        for (int j = 0; j < PA_KEYS; j++) { srow[j] = expf(srow[j] - m_new); l += srow[j]; }
+#endif
+                        *lr = *lr * corr + l;
+                        *mr = m_new;
+                        /* o = o * corr + p . V[block] */
+#if defined(__AVX512F__)
+                        if (D == 64) { /* the common head size: the row's output in 4 registers */
+                            const __m512 cv = _mm512_set1_ps(corr);
+                            __m512 o0 = _mm512_mul_ps(_mm512_loadu_ps(o), cv);
+                            __m512 o1 = _mm512_mul_ps(_mm512_loadu_ps(o + 16), cv);
+                            __m512 o2 = _mm512_mul_ps(_mm512_loadu_ps(o + 32), cv);
+                            __m512 o3 = _mm512_mul_ps(_mm512_loadu_ps(o + 48), cv);
+                            const float *vr = vv + (int64_t)k0 * 64;
+                            for (int j = 0; j < PA_KEYS; j++, vr += 64) {
+                                const __m512 p = _mm512_set1_ps(srow[j]);
+                                o0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr), o0);
+                                o1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16), o1);
+                                o2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 32), o2);
+                                o3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 48), o3);
+                            }
+                            _mm512_storeu_ps(o, o0);
+                            _mm512_storeu_ps(o + 16, o1);
+                            _mm512_storeu_ps(o + 32, o2);
+                            _mm512_storeu_ps(o + 48, o3);
+                            continue;
+                        }
+                        if (D % 16 == 0 && D <= 256) {
+                            __m512 ov[16];
+                            const __m512 cv = _mm512_set1_ps(corr);
+                            const int c16 = D / 16;
+                            for (int c = 0; c < c16; c++) ov[c] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), cv);
+                            for (int j = 0; j < PA_KEYS; j++) {
+                                const __m512 p = _mm512_set1_ps(srow[j]);
+                                const float *vr = vv + (int64_t)(k0 + j) * D;
+                                for (int c = 0; c < c16; c++) ov[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), ov[c]);
+                            }
+                            for (int c = 0; c < c16; c++) _mm512_storeu_ps(o + 16 * c, ov[c]);
+                            continue;
+                        }
+#endif
+                        for (int d = 0; d < D; d++) o[d] *= corr;
+                        for (int j = 0; j < PA_KEYS; j++) {
+                            const float *vr = vv + (int64_t)(k0 + j) * D;
+                            for (int d = 0; d < D; d++) o[d] = fmaf(srow[j], vr[d], o[d]);
+                        }
+                    }
+                }
+            }
+            for (int h = 0; h < G; h++)
+                for (int r = 0; r < rows; r++) {
+                    const float inv = 1.f / sum[h * PA_ROWS + r];
+                    const float *o = acc + ((int64_t)h * PA_ROWS + r) * D;
+                    float *dst = out + ((int64_t)(t0 + r) * H + g * G + h) * D;
+                    for (int d = 0; d < D; d++) dst[d] = o[d] * inv;
+                }
+        }
+    }
 }
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from services import env
 
-ABI = 11
+ABI = 12
 _SOURCE = Path(__file__).with_name("kernels.c")
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
@@ -38,8 +38,15 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdserve_silu_and_mul": [_P, _I, _I, _P],
     "pdserve_silu_and_mul_bf16": [_P, _I, _I, _P],
     "pdserve_decode_attention": [_P, _P, _P, _L, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
+    "pdserve_prompt_attention_scratch": [_I, _I, _I, _I],
+    "pdserve_prompt_attention": [_P, _P, _P, _L, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P],
     "pdserve_decode_step": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P],
     "pdserve_decode_attention_q8": [_P, _P, _P, _L, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
+}
+_RESULTS = {
+    "pdserve_kernels_abi": _I,
+    "pdserve_kernels_simd": _I,
+    "pdserve_prompt_attention_scratch": _L,
 }
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -88,7 +95,7 @@ def bind(path: Path) -> ctypes.CDLL:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = args
-        fn.restype = _I if name in ("pdserve_kernels_abi", "pdserve_kernels_simd") else None
+        fn.restype = _RESULTS.get(name)
     if lib.pdserve_kernels_abi() != ABI:
         raise OSError("stale kernels library (ABI mismatch)")
     return lib
