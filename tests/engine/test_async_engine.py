@@ -98,23 +98,16 @@ def test_a_cancel_while_waiting_for_the_engine_lock_never_runs_the_request(
     eng.add_request = recording_add  # type: ignore[method-assign]
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     entered, left = threading.Event(), threading.Event()  # an adder thread at / past the lock
-    real = ae._wake
+    hold = ae._turn.hold
 
-    class Signaling:
-        def __enter__(self) -> object:
-            if threading.current_thread().name != "engine-loop":
-                entered.set()
-            return real.__enter__()
+    @contextlib.contextmanager
+    def signaling():  # type: ignore[no-untyped-def]
+        entered.set()  # only other threads than the loop take the turnstile
+        with hold():
+            yield
+        left.set()
 
-        def __exit__(self, *exc: object) -> None:
-            real.__exit__(*exc)
-            if threading.current_thread().name != "engine-loop":
-                left.set()
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(real, name)
-
-    ae._wake = Signaling()  # type: ignore[assignment]
+    ae._turn.hold = signaling  # type: ignore[method-assign]
 
     async def cancel_while_locked() -> None:
         ae.lock.acquire()  # a long step holds the engine lock
@@ -136,3 +129,53 @@ def test_a_cancel_while_waiting_for_the_engine_lock_never_runs_the_request(
         assert len(asyncio.run(collect(ae, "next", SamplingParams(max_tokens=3)))) == 3
     finally:
         ae.stop()
+
+
+def test_an_add_gets_the_lock_at_the_end_of_the_step_in_flight() -> None:
+    """A busy loop releases the engine lock between steps and takes it again at once; an
+    unfair lock let the loop win that race for several steps (measured: 3 on average, up to
+    7), so an add waited that long. Through the turnstile the add comes in right after the
+    step in flight, even with more steps ready to run."""
+
+    class Stub:  # always busy; each step waits for a permit from the test
+        def __init__(self) -> None:
+            self.permits = threading.Semaphore(0)
+            self.steps = 0
+            self.added: dict[str, int] = {}
+            self.has_unfinished = True
+
+        def stats(self) -> None:
+            return None
+
+        def step(self) -> list[object]:
+            self.permits.acquire()
+            self.steps += 1
+            return []
+
+        def add_request(self, request_id: str, *args: object, **kwargs: object) -> None:
+            self.added[request_id] = self.steps
+
+        def abort(self, request_id: str) -> None:
+            pass
+
+    stub = Stub()
+    ae = AsyncEngine(stub)  # type: ignore[arg-type]
+    ae._turn.max_wait_s = 30.0  # the guarantee, not the loop's bound on waiting for a waiter
+
+    async def run() -> None:
+        gen = ae.generate("r", PROMPT, SamplingParams(max_tokens=1))
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.to_thread(eventually, lambda: ae._turn.waiting == 1, 10, "the add to wait")
+        for _ in range(6):  # the step in flight, and five more ready to run back to back
+            stub.permits.release()
+        await asyncio.to_thread(eventually, lambda: "r" in stub.added, 10, "the add")
+        stub.has_unfinished = False  # the loop goes idle, so the consumer's abort gets the lock
+        for _ in range(100):
+            stub.permits.release()
+        first.cancel()
+        with contextlib.suppress(BaseException):
+            await first
+
+    asyncio.run(run())
+    assert stub.added["r"] == 1
+    ae.stop()
