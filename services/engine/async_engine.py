@@ -13,6 +13,7 @@ waiting 3 steps on average, up to 7 (a handed-off request's first decode token w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -148,7 +149,20 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:  # consumer went away (disconnect, cancel, error): free the blocks
-                self.abort(request_id)
+                self._abort_off_loop(request_id)
+
+    def _abort_off_loop(self, request_id: str) -> None:
+        """``abort`` without making the event loop wait for the step in flight (a prefill
+        chunk can take a second, and every other stream of the replica shares the loop):
+        at once if the engine lock is free, else from a thread."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self.engine.abort(request_id)
+                self._wake.notify()
+            finally:
+                self.lock.release()
+            return
+        threading.Thread(target=self.abort, args=(request_id,), daemon=True).start()
 
     def abort(self, request_id: str) -> None:
         with self._turn.hold():
@@ -178,8 +192,13 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        orphans: list[str] = []  # requests whose consumer's event loop has closed
         while True:
             with self._wake:
+                for rid in orphans:  # nobody reads them: abort (their final outputs go nowhere)
+                    self.engine.abort(rid)
+                    self._streams.pop(rid, None)
+                orphans.clear()
                 if not self._stopped and not self.engine.has_unfinished:
                     # NOTE: wake up now and then even when idle: step() also expires KV holds
                     # that no decode replica came for. The step below runs either way, and its
@@ -208,17 +227,21 @@ class AsyncEngine:
                         continue
                     if out.finished:
                         del self._streams[out.request_id]
+                    item = out
                     if out.finish_reason is FinishReason.ERROR:  # its consumer raises
-                        deliveries.append((stream, RequestFailedError(out.error or "failed")))
-                    else:
-                        deliveries.append((stream, out))
-            for (loop, queue), out in deliveries:
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+                        item = RequestFailedError(out.error or "failed")
+                    deliveries.append((stream, out.request_id, item))
+            for (loop, queue), rid, item in deliveries:
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+                except RuntimeError:  # that event loop has closed (a consumer's abort may be
+                    orphans.append(rid)  # still on its way): never the loop thread's end
             self._turn.let_in()
 
     def _fail_all(self, error: Exception) -> None:
         for rid, (loop, queue) in list(self._streams.items()):
             self.engine.abort(rid)
-            loop.call_soon_threadsafe(queue.put_nowait, error)
+            with contextlib.suppress(RuntimeError):  # a consumer's event loop has closed
+                loop.call_soon_threadsafe(queue.put_nowait, error)
         self._streams.clear()
         self.engine.step()  # drain the aborts

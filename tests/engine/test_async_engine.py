@@ -179,3 +179,44 @@ def test_an_add_gets_the_lock_at_the_end_of_the_step_in_flight() -> None:
     asyncio.run(run())
     assert stub.added["r"] == 1
     ae.stop()
+
+
+def test_a_consumer_that_leaves_during_a_step_does_not_wait_for_it(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """The abort of a request whose consumer went away needs the engine lock, held for a
+    whole step (seconds for a prefill chunk on CPU); the event loop that every other stream
+    of the replica shares must not wait for it: the abort happens after the step."""
+    eng = make_engine()
+    ae = AsyncEngine(eng, stall_timeout_s=30.0)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    held, done = threading.Event(), threading.Event()
+    timed_out: list[bool] = []
+
+    def long_step() -> None:  # holds the engine lock until told (or 5 s)
+        with ae.lock:
+            held.set()
+            timed_out.append(not done.wait(5))
+
+    async def leave_while_locked() -> None:
+        gen = ae.generate("b", PROMPT, long)
+        await anext(gen)
+        step = threading.Thread(target=long_step)
+        step.start()
+        assert await asyncio.to_thread(held.wait, 10)
+        await gen.aclose()  # returns without the lock
+        assert eng.has_unfinished  # not aborted yet: that needs the lock
+        done.set()
+        await asyncio.to_thread(step.join)
+        assert timed_out == [False]  # the consumer's close did not wait for the step
+
+    try:
+        asyncio.run(leave_while_locked())
+        eventually(
+            lambda: not eng.has_unfinished and eng.blocks.num_used_blocks == 0,
+            10,
+            "the request aborted after the step and its blocks freed",
+        )
+    finally:
+        ae.stop()
