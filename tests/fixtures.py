@@ -372,3 +372,28 @@ def prefill_for_handoff(engine: Engine, rid: str, prompt: list[int], params: Any
     assert engine.stats().num_held == (handle is not None)
     box.release(rid, entry.secret)
     return outs, handle
+
+
+def narrower_kernel_builds() -> dict[str, Any]:
+    """pdserve's C kernels built for narrower SIMD paths than this CPU's: ``avx2`` (no
+    AVX-512) and ``portable`` (no AVX2 / FMA either), each checked to report its level (an
+    AVX2 build on a host without AVX2 is portable). Builds under ``PDSERVE_CACHE_DIR``: point
+    it at a scratch folder first."""
+    import os
+    import shutil
+
+    from services.engine.cpu_kernels import library
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None
+    has_avx2 = library.simd_level() != "portable"
+    narrower = {  # name: (flags, the SIMD level that build must report)
+        "avx2": (("-mno-avx512f",), 2 if has_avx2 else 0),
+        "portable": (("-mno-avx512f", "-mno-avx2", "-mno-fma"), 0),
+    }
+    libs = {}
+    for name, (flags, level) in narrower.items():
+        lib = library.bind(library._build(cc, flags))
+        assert lib.pdserve_kernels_simd() == level, name
+        libs[name] = lib
+    return libs

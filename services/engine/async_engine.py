@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import contextmanager
 
 from services.engine.engine import Engine, EngineStats
 from services.engine.errors import RequestFailedError
@@ -45,7 +44,7 @@ class Turnstile:
         self.waiting = 0  # threads between asking for the lock and holding it
         self._count = threading.Condition()
 
-    @contextmanager
+    @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
         with self._count:
             self.waiting += 1
@@ -157,8 +156,7 @@ class AsyncEngine:
         at once if the engine lock is free, else from a thread."""
         if self.lock.acquire(blocking=False):
             try:
-                self.engine.abort(request_id)
-                self._wake.notify()
+                self._abort_locked(request_id)
             finally:
                 self.lock.release()
             return
@@ -166,8 +164,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         with self._turn.hold():
-            self.engine.abort(request_id)
-            self._wake.notify()
+            self._abort_locked(request_id)
+
+    def _abort_locked(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wake.notify()
 
     def call(self, fn, *args):  # type: ignore[no-untyped-def]
         """Run ``fn(engine, *args)`` under the engine lock (stats, export, release)."""

@@ -32,18 +32,26 @@ def _lib():
 SHORT_SPAN = 8  # spans up to this long attend token by token through the decode kernel
 
 
-def token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token of the step as a decode row: (its sequence's block-table row, its own
-    context length = position + 1), [num_tokens, width] and [num_tokens] int32. The step's
-    keys and values are all written before attention, so for a span of several tokens this
-    is exactly causal attention, computed as its tokens would be computed one step at a time."""
-    if meta.is_pure_decode:
-        return meta.block_tables, meta.seq_lens
+def token_rows(
+    meta: AttentionMetadata, seqs: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token of the step (of the sequences ``seqs``; None: all) as a decode row: (its
+    sequence's block-table row, its own context length = position + 1), [num_tokens, width]
+    and [num_tokens] int32. The step's keys and values are all written before attention, so
+    for a span of several tokens this is exactly causal attention, computed as its tokens
+    would be computed one step at a time."""
+    if seqs is None:
+        if meta.is_pure_decode:
+            return meta.block_tables, meta.seq_lens
+        seqs = list(range(meta.num_seqs))
+    ns = [meta.query_lens[i] for i in seqs]
     lens = torch.tensor(
-        [c - n + j + 1 for c, n in zip(meta.context_lens, meta.query_lens) for j in range(n)],
+        [meta.context_lens[i] - n + j + 1 for i, n in zip(seqs, ns) for j in range(n)],
         dtype=torch.int32,
     )
-    seq = torch.repeat_interleave(torch.arange(meta.num_seqs), torch.tensor(meta.query_lens))
+    seq = torch.repeat_interleave(
+        torch.tensor(seqs, dtype=torch.long), torch.tensor(ns, dtype=torch.long)
+    )
     return meta.block_tables[seq].contiguous(), lens
 
 
@@ -60,7 +68,7 @@ class _SpanPlan:
 
 def prompt_kernel_fits() -> bool:
     """The prompt kernel is the fast path here: an AVX-512 CPU (elsewhere its portable C is
-    slower than SDPA's kernel). It also needs an fp32 cache (checked at the first step)."""
+    slower than SDPA's kernel). It also needs an unquantized cache (checked at the first step)."""
     return "avx512f" in library.cpu_flags().split()
 
 
@@ -90,7 +98,9 @@ class CpuAttention:
         self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:
         plan = meta.plan
-        if isinstance(plan, _SpanPlan) and (cache.quantized or cache.dtype != torch.float32):
+        # NOTE: this backend runs fp32 models only (``supports``), so an int8 cache is the one
+        # the prompt kernel cannot read; known at the first step with a prompt
+        if isinstance(plan, _SpanPlan) and cache.quantized:
             self.prompt_kernel = False  # this engine's cache: the reference from now on
             self.reference.prepare(meta)
             plan = meta.plan
@@ -149,23 +159,15 @@ class CpuAttention:
 
 def _span_plan(meta: AttentionMetadata) -> _SpanPlan:
     starts = meta.query_start_loc.tolist()
-    rows: list[int] = []
-    seqs: list[int] = []
-    lens: list[int] = []
-    spans = []
-    for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
-        if n <= SHORT_SPAN:  # token by token, as token_rows
-            rows += range(starts[i], starts[i] + n)
-            seqs += [i] * n
-            lens += range(ctx - n + 1, ctx + 1)
-        else:
-            spans.append((starts[i], starts[i] + n, meta.block_tables[i].contiguous(), ctx))
-    return _SpanPlan(
-        torch.tensor(rows) if rows else None,
-        meta.block_tables[seqs].contiguous(),
-        torch.tensor(lens, dtype=torch.int32),
-        spans,
-    )
+    short = [i for i, n in enumerate(meta.query_lens) if n <= SHORT_SPAN]
+    spans = [
+        (starts[i], starts[i] + n, meta.block_tables[i].contiguous(), ctx)
+        for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens))
+        if n > SHORT_SPAN
+    ]
+    rows = [r for i in short for r in range(starts[i], starts[i] + meta.query_lens[i])]
+    tables, lens = token_rows(meta, short)
+    return _SpanPlan(torch.tensor(rows) if rows else None, tables, lens, spans)
 
 
 class CpuOps:

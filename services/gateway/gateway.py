@@ -450,7 +450,11 @@ class Gateway:
         """One run of the request through the pools: prefill (or not), then decode."""
         deadline = self.cfg.request_timeout_s
         n = len(spec.prompt_ids)
-        hashes = self.prompt_hashes(spec.prompt_ids, spec.params.cache_salt)
+        aware = self.cfg.routing == "prefix_aware"
+        # NOTE: hashed only for a reader: the index's lookup, or the router's memory of what
+        # it sent where (prefix-aware routing)
+        needed = aware or self.index is not None
+        hashes = self.prompt_hashes(spec.prompt_ids, spec.params.cache_salt) if needed else []
         cached = await self.lookup(hashes)
         on_decode = {k: v for k, v in cached.items() if k.startswith("decode-")}
         direct = prefill_on_decode(
@@ -458,7 +462,6 @@ class Gateway:
         )
         bs = self.cfg.block_size
         blocks = -(-(n + spec.params.max_tokens) // bs)
-        aware = self.cfg.routing == "prefix_aware"
         held = tuple(hashes) if aware else ()
         if direct:
             decode_route = RouteHint(n, on_decode, True, blocks, aware, held, bs)

@@ -9,10 +9,12 @@ import torch
 
 from services.engine.attention import SeqSpan, TorchAttention, build_metadata
 from services.engine.config import ModelConfig
+from services.engine.cpu_backend import prompt_kernel_fits
 from services.engine.cpu_kernels import library
 from services.engine.kv_cache import KVCache
 from services.engine.layer_ops import TorchOps
 from services.engine.rope import Rotary
+from tests.fixtures import narrower_kernel_builds
 
 pytestmark = pytest.mark.skipif(library.load() is None, reason=str(library.load_error()))
 
@@ -159,20 +161,13 @@ def test_prompt_attention_matches_float64_on_every_simd_path(
     """The prompt kernel on this CPU's build and on the narrower builds (AVX2, portable C):
     causal (and windowed) attention of a span after a cached prefix, read through a shuffled
     block table, within fp32 rounding of float64."""
-    import os
-    import shutil
-
     cache, table = _prompt_case(block_size, dim, ctx)
     q = torch.randn(n, 9, dim)
     want = _sdpa64(cache, table, q, ctx, window)
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     libs = {"native": library.load()}
     if ctx == 300 and window == 0:  # one case is enough to check the other builds
-        for name, flags in {"avx2": ("-mno-avx512f",),
-                            "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}.items():  # fmt: skip
-            libs[name] = library.bind(library._build(cc, flags))  # type: ignore[arg-type]
-        assert libs["portable"].pdserve_kernels_simd() == 0
+        libs.update(narrower_kernel_builds())
     for name, lib in libs.items():
         got = _run_prompt(lib, cache, table, q, ctx, window)
         err = float((got.double() - want).abs().max())
@@ -192,9 +187,7 @@ def test_prompt_attention_gives_a_row_the_same_bits_however_the_prompt_is_chunke
         assert torch.equal(torch.cat([head, tail]), whole), cut
 
 
-@pytest.mark.skipif(
-    "avx512f" not in library.cpu_flags().split(), reason="the prompt kernel runs on AVX-512"
-)
+@pytest.mark.skipif(not prompt_kernel_fits(), reason="the prompt kernel runs on AVX-512")
 def test_a_mixed_step_attends_prompts_by_kernel_and_short_spans_by_the_decode_kernel(cpu):
     """A step of a long prompt span, a decode row, a 3-token verification span and a second
     prompt after a cached prefix: the cpu backend plans the prompt kernel, and every row

@@ -3,9 +3,7 @@ exactly (no fp32 round trip), and quantized engines against the fp32 engine."""
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 
 import numpy as np
 import pytest
@@ -25,6 +23,7 @@ from services.engine.quant import (
 )
 from services.engine.sampling_params import SamplingParams
 from tests.engine.test_gguf import write_gguf
+from tests.fixtures import narrower_kernel_builds
 
 pytestmark = pytest.mark.skipif(library.load() is None, reason=str(library.load_error()))
 
@@ -69,22 +68,13 @@ def test_every_simd_path_computes_the_same_bits(kind, tmp_path, monkeypatch):
     """The AVX512-VNNI, AVX2 and portable paths take the same integer sums and the same
     rounded steps per (row, output), so one model gives one set of logits on every host."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    assert cc is not None
-    has_avx2 = library.simd_level() != "portable"
-    narrower = {  # name: (flags, the SIMD level that build must report)
-        "avx2": (("-mno-avx512f",), 2 if has_avx2 else 0),
-        "portable": (("-mno-avx512f", "-mno-avx2", "-mno-fma"), 0),
-    }
     gen = torch.Generator().manual_seed(4)
     w = QuantWeight.from_float(torch.randn(203, 576, generator=gen), kind)  # a partial block
     x = torch.randn(13, 576, generator=gen)
     x[1, 64:96] *= 1e4
     want = QuantLinear(w, None, pack=None)(x)
     b = blocked(w)
-    for name, (flags, level) in narrower.items():
-        lib = library.bind(library._build(cc, flags))
-        assert lib.pdserve_kernels_simd() == level, name
+    for name, lib in narrower_kernel_builds().items():
         got = torch.empty_like(want)
         if kind == "q4":
             lib.pdserve_q4_gemm(
