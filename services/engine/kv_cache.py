@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from services.engine import kv_quant
+from services.engine.cpu_kernels import library
 from services.engine.host_buffers import HOST_BUFFERS
 
 
@@ -113,10 +116,36 @@ class KVCache:
         return out
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of ``read_blocks`` for ``data[:, :, i]`` -> block ``block_ids[i]``."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        """Inverse of ``read_blocks`` for ``data[:, :, i]`` -> block ``block_ids[i]`` (``data``
+        may be a slice of a handle's blocks along dim 2)."""
+        if not block_ids:
+            return
+        k0 = self.k[0]
+        data = data.to(device=k0.device, dtype=k0.dtype)
+        lib = library.load() if k0.device.type == "cpu" else None
+        if lib is not None:
+            # NOTE: one C pass of row copies (index_copy_ from the permuted view below took
+            # 3.8x as long: 2.2 vs 0.57 ms for a 256-token request, inside the importing step)
+            if not (data[0, 0].is_contiguous() and data.stride(0) == 2 * data.stride(1)):
+                data = data.contiguous()
+            ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in zip(self.k, self.v)]
+            lib.pdserve_write_blocks(
+                data.data_ptr(),
+                data.stride(1) * data.element_size(),
+                len(self.k),
+                len(block_ids),
+                self.block_size,
+                k0.shape[0],
+                k0.shape[3] * k0.element_size(),
+                (ctypes.c_int32 * len(block_ids))(*block_ids),
+                (ctypes.c_int64 * len(ptrs))(*(k for k, _ in ptrs)),
+                (ctypes.c_int64 * len(ptrs))(*(v for _, v in ptrs)),
+                k0.shape[1] * self.block_size,
+            )
+            return
+        idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
         # [layers, 2, n, block_size, kv_heads, head_dim] -> [layers, 2, kv_heads, n, block_size, head_dim]
-        data = data.to(device=self.k[0].device, dtype=self.k[0].dtype).permute(0, 1, 4, 2, 3, 5)
+        data = data.permute(0, 1, 4, 2, 3, 5)
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
             k.index_copy_(1, idx, data[layer, 0])
             v.index_copy_(1, idx, data[layer, 1])

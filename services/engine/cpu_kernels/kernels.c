@@ -43,7 +43,7 @@
 #define MAX_ROWS 32 /* rows of x per pass over the weights (callers split larger batches) */
 #define MAX_GROUPS 512 /* K <= 16384 */
 
-int pdserve_kernels_abi(void) { return 12; }
+int pdserve_kernels_abi(void) { return 13; }
 
 int pdserve_kernels_simd(void) {
 #if defined(PD_VNNI512)
@@ -905,4 +905,33 @@ void pdserve_decode_step(const pd_model *m, int B, float *restrict x,
         pd_apply(&L->down, act, B, x);
     }
     pdserve_add_rms_norm(x, res, m->final_norm, B, h, m->eps, out, res2);
+}
+
+/* ---- KV import: a request's blocks from the handoff layout into the paged cache --------
+ * src: [L][2 (k, v)][n][bs][KVH][row] bytes (``KVHandle.blocks``, or n of its blocks: each
+ * (layer, k/v) part starts part_stride bytes after the one before); dst: per layer, keys at
+ * k_ptrs[l] and values at v_ptrs[l], each [KVH][num_slots][row] (``KVCache`` storage);
+ * block ids[i] takes src block i. Byte copies of whole rows: any storage format.
+ * Loop order: one head's block is bs * row contiguous bytes in the cache, so the writes go out
+ * in runs of a block while the reads stride by a position (KVH rows), both sequential. */
+void pdserve_write_blocks(const uint8_t *restrict src, int64_t part_stride, int L, int n,
+                          int bs, int KVH, int64_t row, const int32_t *restrict ids,
+                          const int64_t *restrict k_ptrs, const int64_t *restrict v_ptrs,
+                          int64_t num_slots) {
+    const int64_t pos = (int64_t)KVH * row, block = (int64_t)bs * pos;
+    for (int l = 0; l < L; l++) {
+        for (int kv = 0; kv < 2; kv++) {
+            uint8_t *dst = (uint8_t *)(intptr_t)(kv ? v_ptrs[l] : k_ptrs[l]);
+            const uint8_t *part = src + ((int64_t)l * 2 + kv) * part_stride;
+            for (int i = 0; i < n; i++) {
+                const uint8_t *b = part + (int64_t)i * block;
+                for (int h = 0; h < KVH; h++) {
+                    uint8_t *d = dst + ((int64_t)h * num_slots + (int64_t)ids[i] * bs) * row;
+                    const uint8_t *s = b + (int64_t)h * row;
+                    for (int t = 0; t < bs; t++)
+                        memcpy(d + (int64_t)t * row, s + (int64_t)t * pos, (size_t)row);
+                }
+            }
+        }
+    }
 }

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from services import env
 
-ABI = 12
+ABI = 13
 _SOURCE = Path(__file__).with_name("kernels.c")
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
@@ -42,6 +42,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdserve_prompt_attention": [_P, _P, _P, _L, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P],
     "pdserve_decode_step": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P],
     "pdserve_decode_attention_q8": [_P, _P, _P, _L, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
+    "pdserve_write_blocks": [_P, _L, _I, _I, _I, _I, _L, _P, _P, _P, _L],
 }
 _RESULTS = {
     "pdserve_kernels_abi": _I,
