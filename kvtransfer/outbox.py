@@ -154,7 +154,9 @@ class Entry:
 class Outbox:
     """Args:
     fingerprint: the engine's KV layout (what receivers must match).
-    locked: the engine lock, as a context manager factory (blocks are read and freed under it).
+    locked: the engine lock, as a context manager factory (blocks are read and freed under it);
+        one with ``acquire(blocking=False)`` lets a release free at once when it is free
+        (a replica hands its engine's ``Turnstile``, so waits end with the step in flight).
     clock: monotonic seconds (injected; tests drive it).
     progressing: whether the engine makes progress (streams send heartbeats only then).
     """

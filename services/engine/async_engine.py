@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from services.engine.engine import Engine, EngineStats
 from services.engine.errors import RequestFailedError
@@ -36,7 +36,9 @@ class EngineStalledError(RuntimeError):
 class Turnstile:
     """``lock`` for the threads other than its owner's loop: it counts who waits, and the
     loop calls ``let_in`` between its turns, so a waiter gets the lock at the next turn's end
-    (at most ``max_wait_s`` of the loop's time per turn)."""
+    (at most ``max_wait_s`` of the loop's time per turn). It has ``threading.Lock``'s surface
+    (``acquire``, ``release``, a context manager), so it stands wherever the engine lock is
+    handed to another component (the prefill replica's Outbox frees and reads KV under it)."""
 
     def __init__(self, lock: threading.Lock, max_wait_s: float = 0.05) -> None:
         self.lock = lock
@@ -44,8 +46,11 @@ class Turnstile:
         self.waiting = 0  # threads between asking for the lock and holding it
         self._count = threading.Condition()
 
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
+    def acquire(self, blocking: bool = True) -> bool:
+        """A blocking acquire waits its turn; a non-blocking one takes the lock only if it is
+        free now (nothing to wait for, so nothing to count)."""
+        if not blocking:
+            return self.lock.acquire(blocking=False)
         with self._count:
             self.waiting += 1
         try:
@@ -54,10 +59,20 @@ class Turnstile:
             with self._count:
                 self.waiting -= 1
                 self._count.notify_all()
-        try:
-            yield
-        finally:
-            self.lock.release()
+        return True
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> Turnstile:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def hold(self) -> Turnstile:
+        return self
 
     def let_in(self) -> None:
         """The loop, not holding the lock: returns once every thread waiting now has had it
@@ -154,11 +169,11 @@ class AsyncEngine:
         """``abort`` without making the event loop wait for the step in flight (a prefill
         chunk can take a second, and every other stream of the replica shares the loop):
         at once if the engine lock is free, else from a thread."""
-        if self.lock.acquire(blocking=False):
+        if self._turn.acquire(blocking=False):
             try:
                 self._abort_locked(request_id)
             finally:
-                self.lock.release()
+                self._turn.release()
             return
         threading.Thread(target=self.abort, args=(request_id,), daemon=True).start()
 
@@ -169,6 +184,11 @@ class AsyncEngine:
     def _abort_locked(self, request_id: str) -> None:
         self.engine.abort(request_id)
         self._wake.notify()
+
+    @property
+    def turnstile(self) -> Turnstile:
+        """The engine lock for threads other than the loop (see ``Turnstile``)."""
+        return self._turn
 
     def call(self, fn, *args):  # type: ignore[no-untyped-def]
         """Run ``fn(engine, *args)`` under the engine lock (stats, export, release)."""

@@ -43,7 +43,10 @@ class PrefillServer(EngineReplica):
         self.metrics.observe_self_test(self_test(transport, engine.fingerprint))
         self.outbox = Outbox(
             engine.fingerprint,
-            lambda: self.engine.lock,
+            # NOTE: through the turnstile: the receiver's release frees at once when the lock
+            # is free, else the Outbox's freer (and a late receiver's read) gets it at the end
+            # of the step in flight; the bare lock let the busy loop win it for several steps
+            lambda: self.engine.turnstile,
             OutboxConfig(cfg.kv_hold_timeout_s, cfg.kv_stream_buffer_mb << 20),
             progressing=self._progressing,
         )

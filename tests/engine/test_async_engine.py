@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
 
+import torch
+
+from kvtransfer.outbox import Outbox
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
 from tests.fixtures import eventually
+from tests.kvtransfer.kv_fixtures import random_handle
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 
@@ -131,34 +136,37 @@ def test_a_cancel_while_waiting_for_the_engine_lock_never_runs_the_request(
         ae.stop()
 
 
+class BusyStub:
+    """An engine that is always busy; each step waits for a permit from the test."""
+
+    def __init__(self) -> None:
+        self.permits = threading.Semaphore(0)
+        self.steps = 0
+        self.added: dict[str, int] = {}
+        self.has_unfinished = True
+
+    def stats(self) -> None:
+        return None
+
+    def step(self) -> list[object]:
+        self.permits.acquire()
+        self.steps += 1
+        return []
+
+    def add_request(self, request_id: str, *args: object, **kwargs: object) -> None:
+        self.added[request_id] = self.steps
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
 def test_an_add_gets_the_lock_at_the_end_of_the_step_in_flight() -> None:
     """A busy loop releases the engine lock between steps and takes it again at once; an
     unfair lock let the loop win that race for several steps (measured: 3 on average, up to
     7), so an add waited that long. Through the turnstile the add comes in right after the
     step in flight, even with more steps ready to run."""
 
-    class Stub:  # always busy; each step waits for a permit from the test
-        def __init__(self) -> None:
-            self.permits = threading.Semaphore(0)
-            self.steps = 0
-            self.added: dict[str, int] = {}
-            self.has_unfinished = True
-
-        def stats(self) -> None:
-            return None
-
-        def step(self) -> list[object]:
-            self.permits.acquire()
-            self.steps += 1
-            return []
-
-        def add_request(self, request_id: str, *args: object, **kwargs: object) -> None:
-            self.added[request_id] = self.steps
-
-        def abort(self, request_id: str) -> None:
-            pass
-
-    stub = Stub()
+    stub = BusyStub()
     ae = AsyncEngine(stub)  # type: ignore[arg-type]
     ae._turn.max_wait_s = 30.0  # the guarantee, not the loop's bound on waiting for a waiter
 
@@ -220,3 +228,39 @@ def test_a_consumer_that_leaves_during_a_step_does_not_wait_for_it(
         )
     finally:
         ae.stop()
+
+
+def test_a_kv_release_during_a_step_is_freed_at_the_end_of_the_step_in_flight() -> None:
+    """A prefill replica's Outbox frees a released KV hold under the engine lock: at once if
+    it is free, else from its freer thread. Handed the engine's turnstile (as the prefill
+    replica does), that thread gets the lock right after the step in flight, even with more
+    steps ready; with the bare lock the busy loop could keep it for several steps."""
+    stub = BusyStub()
+    ae = AsyncEngine(stub)  # type: ignore[arg-type]
+    ae.turnstile.max_wait_s = 30.0
+    freed_at: list[int] = []
+
+    class Pinned:
+        def read(self) -> torch.Tensor:
+            raise AssertionError("nothing reads it")
+
+        def free(self) -> None:
+            assert ae.lock.locked(), "freed under the engine lock"
+            freed_at.append(stub.steps)
+
+    h = random_handle()
+    box = Outbox(h.fingerprint, lambda: ae.turnstile)
+    entry = box.open("r", h.num_computed, False)
+    assert entry.prefilled(dataclasses.replace(h, blocks=torch.empty(0)), Pinned())
+    eventually(ae.lock.locked, 10, "the loop to be in step 0")
+    box.release("r", entry.secret)  # returns at once: the step holds the lock
+    assert box.state("r") is None and freed_at == []
+    eventually(lambda: ae.turnstile.waiting == 1, 10, "the freer to wait for the lock")
+    for _ in range(6):  # the step in flight, and five more ready to run back to back
+        stub.permits.release()
+    eventually(lambda: freed_at, 10, "the free")
+    assert freed_at == [1]
+    stub.has_unfinished = False
+    for _ in range(100):
+        stub.permits.release()
+    ae.stop()
