@@ -6,8 +6,10 @@ This measures both halves of that trade on the embedded default (SmolLM2-135M-In
 
 Speed: one thread, the model's four linear shapes at 512 prompt rows: oneDNN bf16 (what runs
 now) against ``torch._int_mm`` (int8 x int8 -> int32, oneDNN's VNNI GEMM) alone, and with the
-per-row activation quantization and the dequantizing epilogue written as torch ops. Summed over
-the 30 layers.
+per-row activation quantization and the dequantizing epilogue written as torch ops, and a
+group-wise VNNI kernel in C (``pdserve_q4_prompt_gemm``: the activations rounded to int8 per 32
+inputs, vpdpbusd against the GGUF's 4-bit weights, scales applied per group). Summed over the
+30 layers.
 
 Quality (``bench/quality_bench.py``'s text, windows and metrics against the fp32 reference):
 every layer's linear at prompt size replaced by a simulation of an int8 GEMM (exact integer
@@ -19,6 +21,9 @@ products, in float64):
   W8A8 (qkv, gate/up)
              W8A8 only where the input is the normed residual (the o and down projections
              keep bf16): 65% of the prompt's linear FLOPs
+  A8/32      the GGUF weights exact, activations rounded to int8 with one scale per group of
+             32 inputs (as llama.cpp's Q8_0 activations): what a group-wise VNNI kernel over
+             the 4-bit weights computes (``pdserve_q4_prompt_gemm``)
 The lm_head (the prompt computes one row of it) keeps the path it has.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/int8_gemm_bench.py [--windows N] [--json out.json]
@@ -44,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import quality_bench as qb
 
 from services.engine import linear, quant
+from services.engine.cpu_kernels import library
 from services.engine.packed_gemm import PackedGemm
 
 ROWS = 512
@@ -60,8 +66,9 @@ def _time(f, reps: int = 10) -> float:  # type: ignore[no-untyped-def]
     return (time.perf_counter() - t) / reps
 
 
-def _shape(k: int, n: int) -> tuple[float, float, float]:
-    """Seconds of (bf16, int_mm, int_mm with quant/dequant) at ``ROWS`` x ``k`` -> ``n``."""
+def _shape(k: int, n: int) -> tuple[float, float, float, float]:
+    """Seconds of (bf16, int_mm, int_mm with quant/dequant, the group-wise kernel) at ``ROWS``
+    x ``k`` -> ``n``."""
     x, w = torch.randn(ROWS, k), torch.randn(n, k)
     xb, wb = x.bfloat16(), torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None)
     xq = torch.randint(-127, 128, (ROWS, k), dtype=torch.int8)
@@ -74,12 +81,32 @@ def _shape(k: int, n: int) -> tuple[float, float, float]:
         return torch._int_mm(q, wq).float().mul_(s).mul_(sw)
 
     bf = _time(lambda: torch.ops.mkldnn._linear_pointwise(xb, wb, None, "none", [], ""))
-    return bf, _time(lambda: torch._int_mm(xq, wq)), _time(full)
+    return bf, _time(lambda: torch._int_mm(xq, wq)), _time(full), _grouped(x, w)
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor) -> float:
+    """Seconds of the group-wise VNNI kernel (int8 activations per 32 x the 4-bit weights),
+    activation rounding included; nan where this build has no AVX512-VNNI."""
+    lib = library.load()
+    if lib is None or library.simd_level() != "avx512-vnni":
+        return float("nan")
+    qw = quant.QuantWeight.from_float(w, "q4")
+    bw, pq = quant.blocked(qw), quant.prompt_blocked(qw)
+    assert bw.mb is not None
+    m, (n, k) = x.shape[0], w.shape
+    y = torch.empty(m, n)
+    args = (x.data_ptr(), m, k, pq.data_ptr(), bw.db.data_ptr(), bw.mb.data_ptr(), n, y.data_ptr())
+    return _time(lambda: lib.pdserve_q4_prompt_gemm(*args))
 
 
 def speed() -> dict[str, float]:
     """Milliseconds for one prompt's linears over all layers, per path."""
-    total = {"bf16": 0.0, "int_mm": 0.0, "int_mm + quant/dequant (torch ops)": 0.0}
+    total = {
+        "bf16": 0.0,
+        "int_mm": 0.0,
+        "int_mm + quant/dequant (torch ops)": 0.0,
+        "q4 x int8/32 (VNNI kernel)": 0.0,
+    }
     for k, n in SHAPES:
         times = _shape(k, n)
         fl = 2 * ROWS * k * n
@@ -98,7 +125,11 @@ class _SimulatedInt8:
         qkv_or_gate_up = w.shape[1] == SHAPES[0][0] and w.shape[0] != SHAPES[1][1]
         self.on = w.shape[0] < 40_000 and (mode != "W8A8 (qkv, gate/up)" or qkv_or_gate_up)
         self.acts = mode != "W8"
+        self.grouped = mode == "A8/32"
         wd = w.double()
+        if self.grouped:  # the weights as loaded (the GGUF's 4-bit groups, exact)
+            self.sw, self.wq = torch.ones(wd.shape[0], dtype=torch.float64), wd
+            return
         self.sw = wd.abs().amax(1).clamp_min(1e-12) / 127
         self.wq = torch.round(wd / self.sw[:, None])
 
@@ -108,14 +139,21 @@ class _SimulatedInt8:
         if not self.on:
             return self.real(x, bias, invariant=invariant, keep=keep)
         xd = x.double()
-        if self.acts:
+        if self.grouped:
+            g = xd.view(xd.shape[0], -1, 32)
+            sx = g.abs().amax(2, keepdim=True).clamp_min(1e-12) / 127
+            xd = (torch.round(g / sx) * sx).view_as(xd)
+        elif self.acts:
             sx = xd.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
             xd = torch.round(xd / sx) * sx
         y = ((xd @ self.wq.T) * self.sw).to(x.dtype)
         return y + bias if bias is not None else y
 
 
-def quality(n_windows: int) -> list[qb.Row]:
+MODES = ("now", "W8", "W8A8", "W8A8 (qkv, gate/up)", "A8/32")
+
+
+def quality(n_windows: int, modes: tuple[str, ...] = MODES) -> list[qb.Row]:
     ref_eng = qb.make_engine(qb.PRECISIONS["fp32"])
     windows = qb.windows_of(ref_eng, n_windows)
     ref_row, ref = qb.run_precision("fp32", ref_eng, windows, None)
@@ -123,7 +161,7 @@ def quality(n_windows: int) -> list[qb.Row]:
     rows = [ref_row]
     prompt_path = qb.PRECISIONS["gguf-q4 (prefill GEMMs)"]
     real = quant.packed_gemm
-    for mode in ("now", "W8", "W8A8", "W8A8 (qkv, gate/up)"):
+    for mode in modes:
         if mode != "now":
             quant.packed_gemm = linear.packed_gemm = (  # type: ignore[assignment]
                 lambda w, dtype, m=mode: None if dtype is None else _SimulatedInt8(w, dtype, m)
@@ -141,12 +179,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=4, help="windows of 256 tokens (at most)")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES, help="quality rows")
     args = ap.parse_args()
     print(f"speed: {ROWS} prompt rows, one thread, the model's linears")
     sp = speed()
     for name, ms in sp.items():
         print(f"  {name:<36} {ms:7.1f} ms per prompt ({sp['bf16'] / ms:.2f}x bf16)")
-    rows = quality(args.windows)
+    rows = quality(args.windows, tuple(args.modes))
     print(qb.table(rows))
     if args.json:
         args.json.write_text(json.dumps({"speed_ms": sp, "quality": [asdict(r) for r in rows]}))

@@ -935,3 +935,81 @@ void pdserve_write_blocks(const uint8_t *restrict src, int64_t part_stride, int 
         }
     }
 }
+
+/* ---- the prompt's q4 linears: int8 activations x 4-bit weights (VNNI) --------------------
+ * Prompt rows are compute-bound; VNNI's u8 x s8 dot products (vpdpbusd: 64 products per
+ * instruction) run at twice oneDNN's bf16 rate on a core without AMX. Activations are rounded
+ * to int8 in groups of 32 (scale = max|x| / 127, round half even, as llama.cpp's Q8_0); the
+ * weights stay the GGUF's exact 4-bit values: y = sum over groups g of
+ * d[n,g] * sx[m,g] * <q4[n,g], xq[m,g]> + mn[n,g] * sum(x[m,g]) (the min term on the exact x).
+ * Quality against fp32 is measured in BENCHMARKS.md (bench/int8_gemm_bench.py).
+ * pq: per (block of 16 outputs, group of 32 inputs) 256 bytes; byte i * 64 + 4n + j holds
+ * q[n][4i + j] in its low nibble and q[n][16 + 4i + j] in its high nibble (i < 4, n < 16,
+ * j < 4), so one 64-byte load is, nibble by nibble, every output's 4 weights of a dword.
+ * db / mb: as the decode kernels' (per block, group, output). A row's result takes the same
+ * operations in the same order whatever M (rows are tiled, never combined). Returns 0, or -1
+ * where this build has no AVX512-VNNI (callers check pdserve_kernels_simd first). */
+#define PP_ROWS 8
+int pdserve_q4_prompt_gemm(const float *restrict x, int M, int K, const uint8_t *restrict pq,
+                           const float *restrict db, const float *restrict mb, int N,
+                           float *restrict y) {
+#if defined(PD_VNNI512)
+    const int G = K / QK, NB = (N + 15) / 16;
+    int8_t *xq = aligned_alloc(64, (((size_t)M * K + 63) / 64) * 64);
+    float *sx = malloc(sizeof(float) * (size_t)M * G), *xs = malloc(sizeof(float) * (size_t)M * G);
+    if (xq == NULL || sx == NULL || xs == NULL) {
+        free(xq), free(sx), free(xs);
+        return -2;
+    }
+    for (int64_t r = 0; r < (int64_t)M * G; r++) {
+        const float *xg = x + r * QK;
+        float amax = 0.f, s = 0.f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        for (int j = 0; j < QK; j++) s += xg[j];
+        const float sc = amax / 127.f, div = sc > 0.f ? sc : 1.f;
+        sx[r] = sc;
+        xs[r] = s;
+        for (int j = 0; j < QK; j++) xq[r * QK + j] = (int8_t)nearbyintf(xg[j] / div);
+    }
+    const __m512i lo4 = _mm512_set1_epi8(15);
+    for (int nb = 0; nb < NB; nb++) {
+        const int n0 = nb * 16, valid = N - n0 < 16 ? N - n0 : 16;
+        const __mmask16 keep = (__mmask16)((1u << valid) - 1);
+        for (int m0 = 0; m0 < M; m0 += PP_ROWS) {
+            const int R = M - m0 < PP_ROWS ? M - m0 : PP_ROWS;
+            __m512 acc[PP_ROWS];
+            for (int r = 0; r < PP_ROWS; r++) acc[r] = _mm512_setzero_ps();
+            for (int g = 0; g < G; g++) {
+                const int64_t blk = (int64_t)nb * G + g;
+                const uint8_t *q = pq + blk * 256;
+                __m512i w[8];
+                for (int i = 0; i < 4; i++) {
+                    const __m512i b = _mm512_loadu_si512((const void *)(q + i * 64));
+                    w[i] = _mm512_and_si512(b, lo4);
+                    w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4);
+                }
+                const __m512 dv = _mm512_loadu_ps(db + blk * 16), mv = _mm512_loadu_ps(mb + blk * 16);
+                for (int r = 0; r < R; r++) {
+                    const int64_t row = (int64_t)(m0 + r) * G + g;
+                    const int32_t *xp = (const int32_t *)(xq + row * QK);
+                    __m512i s0 = _mm512_setzero_si512(), s1 = s0;
+                    for (int i = 0; i < 8; i += 2) {
+                        s0 = _mm512_dpbusd_epi32(s0, w[i], _mm512_set1_epi32(xp[i]));
+                        s1 = _mm512_dpbusd_epi32(s1, w[i + 1], _mm512_set1_epi32(xp[i + 1]));
+                    }
+                    const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                    acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(sx[row])), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[row]), acc[r]);
+                }
+            }
+            for (int r = 0; r < R; r++)
+                _mm512_mask_storeu_ps(y + (int64_t)(m0 + r) * N + n0, keep, acc[r]);
+        }
+    }
+    free(xq), free(sx), free(xs);
+    return 0;
+#else
+    (void)x, (void)M, (void)K, (void)pq, (void)db, (void)mb, (void)N, (void)y;
+    return -1;
+#endif
+}
