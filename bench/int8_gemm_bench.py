@@ -6,10 +6,9 @@ This measures both halves of that trade on the embedded default (SmolLM2-135M-In
 
 Speed: one thread, the model's four linear shapes at 512 prompt rows: oneDNN bf16 (what runs
 now) against ``torch._int_mm`` (int8 x int8 -> int32, oneDNN's VNNI GEMM) alone, and with the
-per-row activation quantization and the dequantizing epilogue written as torch ops, and a
-group-wise VNNI kernel in C (``pdserve_q4_prompt_gemm``: the activations rounded to int8 per 32
-inputs, vpdpbusd against the GGUF's 4-bit weights, scales applied per group). Summed over the
-30 layers.
+per-row activation quantization and the dequantizing epilogue written as torch ops. Summed over
+the 30 layers. (A group-wise VNNI kernel in C for the ``A8/32`` row below, measured at 1.09x
+bf16, is at commit 4c15c1d: ``git checkout 4c15c1d`` and run this script; it was not kept.)
 
 Quality (``bench/quality_bench.py``'s text, windows and metrics against the fp32 reference):
 every layer's linear at prompt size replaced by a simulation of an int8 GEMM (exact integer
@@ -23,7 +22,7 @@ products, in float64):
              keep bf16): 65% of the prompt's linear FLOPs
   A8/32      the GGUF weights exact, activations rounded to int8 with one scale per group of
              32 inputs (as llama.cpp's Q8_0 activations): what a group-wise VNNI kernel over
-             the 4-bit weights computes (``pdserve_q4_prompt_gemm``)
+             the 4-bit weights computes (prototyped at 4c15c1d, not kept)
 The lm_head (the prompt computes one row of it) keeps the path it has.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/int8_gemm_bench.py [--windows N] [--json out.json]
@@ -49,7 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import quality_bench as qb
 
 from services.engine import linear, quant
-from services.engine.cpu_kernels import library
 from services.engine.packed_gemm import PackedGemm
 
 ROWS = 512
@@ -66,9 +64,8 @@ def _time(f, reps: int = 10) -> float:  # type: ignore[no-untyped-def]
     return (time.perf_counter() - t) / reps
 
 
-def _shape(k: int, n: int) -> tuple[float, float, float, float]:
-    """Seconds of (bf16, int_mm, int_mm with quant/dequant, the group-wise kernel) at ``ROWS``
-    x ``k`` -> ``n``."""
+def _shape(k: int, n: int) -> tuple[float, float, float]:
+    """Seconds of (bf16, int_mm, int_mm with quant/dequant) at ``ROWS`` x ``k`` -> ``n``."""
     x, w = torch.randn(ROWS, k), torch.randn(n, k)
     xb, wb = x.bfloat16(), torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None)
     xq = torch.randint(-127, 128, (ROWS, k), dtype=torch.int8)
@@ -81,22 +78,7 @@ def _shape(k: int, n: int) -> tuple[float, float, float, float]:
         return torch._int_mm(q, wq).float().mul_(s).mul_(sw)
 
     bf = _time(lambda: torch.ops.mkldnn._linear_pointwise(xb, wb, None, "none", [], ""))
-    return bf, _time(lambda: torch._int_mm(xq, wq)), _time(full), _grouped(x, w)
-
-
-def _grouped(x: torch.Tensor, w: torch.Tensor) -> float:
-    """Seconds of the group-wise VNNI kernel (int8 activations per 32 x the 4-bit weights),
-    activation rounding included; nan where this build has no AVX512-VNNI."""
-    lib = library.load()
-    if lib is None or library.simd_level() != "avx512-vnni":
-        return float("nan")
-    qw = quant.QuantWeight.from_float(w, "q4")
-    bw, pq = quant.blocked(qw), quant.prompt_blocked(qw)
-    assert bw.mb is not None
-    m, (n, k) = x.shape[0], w.shape
-    y = torch.empty(m, n)
-    args = (x.data_ptr(), m, k, pq.data_ptr(), bw.db.data_ptr(), bw.mb.data_ptr(), n, y.data_ptr())
-    return _time(lambda: lib.pdserve_q4_prompt_gemm(*args))
+    return bf, _time(lambda: torch._int_mm(xq, wq)), _time(full)
 
 
 def speed() -> dict[str, float]:
@@ -105,7 +87,6 @@ def speed() -> dict[str, float]:
         "bf16": 0.0,
         "int_mm": 0.0,
         "int_mm + quant/dequant (torch ops)": 0.0,
-        "q4 x int8/32 (VNNI kernel)": 0.0,
     }
     for k, n in SHAPES:
         times = _shape(k, n)

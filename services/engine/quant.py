@@ -225,20 +225,6 @@ def blocked(w: QuantWeight) -> BlockedWeight:
     return BlockedWeight("q8", qb.to(torch.int8).contiguous(), per_row(w.d), None)
 
 
-def prompt_blocked(w: QuantWeight) -> torch.Tensor:
-    """A q4 weight's bytes in the prompt kernel's layout (``pdserve_q4_prompt_gemm``): per
-    (block of 16 outputs, group), byte ``i * 64 + 4n + j`` holds ``q[n][4i + j]`` in its low
-    nibble and ``q[n][16 + 4i + j]`` in its high one. [blocks, groups, 256] uint8."""
-    assert w.kind == "q4"
-    n, k = w.shape
-    g, nb = k // QK, -(-n // BLOCK)
-    v = torch.nn.functional.pad(w.values().to(torch.int16), (0, 0, 0, nb * BLOCK - n))
-    v = v.view(nb, BLOCK, g, QK)
-    lo, hi = v[..., :16].reshape(nb, BLOCK, g, 4, 4), v[..., 16:].reshape(nb, BLOCK, g, 4, 4)
-    b = (lo | (hi << 4)).to(torch.uint8)  # [nb, n, g, i, j]
-    return b.permute(0, 2, 3, 1, 4).reshape(nb, g, 256).contiguous()
-
-
 # ---- the linear layer ------------------------------------------------------------------------
 class QuantLinear:
     """``y = x @ W.T + b`` over a ``QuantWeight`` (fp32 activations in and out)."""

@@ -42,14 +42,12 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdserve_prompt_attention": [_P, _P, _P, _L, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P],
     "pdserve_decode_step": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P],
     "pdserve_decode_attention_q8": [_P, _P, _P, _L, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
-    "pdserve_q4_prompt_gemm": [_P, _I, _I, _P, _P, _P, _I, _P],
     "pdserve_write_blocks": [_P, _L, _I, _I, _I, _I, _L, _P, _P, _P, _L],
 }
 _RESULTS = {
     "pdserve_kernels_abi": _I,
     "pdserve_kernels_simd": _I,
     "pdserve_prompt_attention_scratch": _L,
-    "pdserve_q4_prompt_gemm": _I,
 }
 _lock = threading.Lock()
 _state: dict[str, object] = {}
