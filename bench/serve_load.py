@@ -21,6 +21,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,22 +64,28 @@ def measure(tree: Path, args: argparse.Namespace, prompts: list[list[int]]) -> d
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "services.cli", "serve", "--http-port", str(args.port)]
     cmd += ["--grpc-port", "0"]
-    proc = subprocess.Popen(
-        cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    base = f"http://127.0.0.1:{args.port}"
-    try:
-        wait_healthy(base, proc)
-        url = f"{base}/v1/completions"
-        asyncio.run(load(url, prompts[:2], 4, 2))  # warm-up
-        results, wall = asyncio.run(load(url, prompts, args.output_tokens, args.concurrency))
-    finally:
-        proc.send_signal(signal.SIGINT)
+    # NOTE: the server's log goes to a file, never a pipe nobody reads: a full pipe (64 KiB,
+    # reached by a longer load) blocked the server's logging, and so its shutdown
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        base = f"http://127.0.0.1:{args.port}"
         try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            try:
+                wait_healthy(base, proc)
+            except (RuntimeError, TimeoutError) as e:
+                log.seek(0)
+                tail = log.read()[-4000:].decode(errors="replace")
+                raise RuntimeError(f"{e}; its log ends:\n{tail}") from None
+            url = f"{base}/v1/completions"
+            asyncio.run(load(url, prompts[:2], 4, 2))  # warm-up
+            results, wall = asyncio.run(load(url, prompts, args.output_tokens, args.concurrency))
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     ttft = [float(r["ttft"]) for r in results]
     itl = [g for r in results for g in r["itls"]]  # type: ignore[attr-defined]
     # the first gap of a disaggregated stream spans the handoff (the decode replica takes
