@@ -408,12 +408,19 @@ class DistKVClient:
         self.connect_timeout_s = connect_timeout_s
         self._idle: OrderedDict[_Pair, None] = OrderedDict()  # free pairs, least recent first
         self._count: dict[str, int] = {}  # pairs (busy, idle or forming) by address
+        self._waiters = 0  # transfers waiting for a pair to free up
         self._cond = threading.Condition()
 
     @property
     def num_pairs(self) -> int:
         with self._cond:
             return sum(self._count.values())
+
+    @property
+    def transfers_waiting(self) -> int:
+        """Transfers waiting for a pair (every one their peer may have is busy)."""
+        with self._cond:
+            return self._waiters
 
     @contextlib.contextmanager
     def _use(self, address: str, end: float) -> Iterator[_Pair]:
@@ -432,6 +439,7 @@ class DistKVClient:
 
     def _acquire(self, address: str, end: float) -> _Pair:
         close: list[_Pair] = []
+        waited = False
         try:
             with self._cond:
                 while True:
@@ -450,8 +458,14 @@ class DistKVClient:
                             break
                     if now >= end:
                         raise TimeoutError(f"no free KV pair to {address} before the deadline")
+                    if not waited:
+                        waited = True
+                        self._waiters += 1
                     self._cond.wait(min(end - now, 1.0))
         finally:
+            if waited:
+                with self._cond:
+                    self._waiters -= 1
             for p in close:
                 p.close()
         try:  # NOTE: outside the lock: forming a group blocks until the peer joins

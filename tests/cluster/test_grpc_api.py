@@ -5,7 +5,6 @@ free the decode replica's blocks."""
 from __future__ import annotations
 
 import json
-import time
 
 import grpc
 import pytest
@@ -13,7 +12,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
 
 from tests.cluster.conftest import MODEL, complete, deploy, replica_stats, undeploy
-from tests.fixtures import TcpProxy, free_port
+from tests.fixtures import TcpProxy, eventually, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -44,13 +43,11 @@ def _stream(stub, **fields):  # type: ignore[no-untyped-def]
 
 
 def _idle_decode() -> None:
-    deadline = time.monotonic() + 60
-    while True:
+    def idle() -> bool:
         (info,) = replica_stats(APP, "decode", 1).values()
-        if info.stats.blocks_used == 0 and info.stats.num_running == 0:
-            return
-        assert time.monotonic() < deadline, info.stats
-        time.sleep(0.3)
+        return info.stats.blocks_used == 0 and info.stats.num_running == 0
+
+    eventually(idle, 60, "the decode replica idle (no blocks, nothing running)")
 
 
 @pytest.mark.parametrize("seed", [None, 7])

@@ -160,14 +160,12 @@ def test_client_disconnect_frees_blocks(cluster):
             events += line.startswith("data: ")
             if events >= 3:
                 break
-    deadline = time.monotonic() + 60
-    while True:
-        (info,) = replica_stats("colo", "decode", 1).values()
-        stats = info.stats
-        if stats.blocks_used == 0 and stats.num_running == 0:
-            break
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.5)
+    eventually(lambda: _idle(replica_stats("colo", "decode", 1)), 60, "the decode replica idle")
+
+
+def _idle(stats: dict) -> bool:
+    (info,) = stats.values()
+    return info.stats.blocks_used == 0 and info.stats.num_running == 0
 
 
 def test_openai_client_streams_chat(cluster):

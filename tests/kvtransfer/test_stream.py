@@ -256,7 +256,7 @@ def test_a_stalled_sender_hits_the_deadline_and_a_stopped_one_fails(transport):
         stream = src.open_stream(other)
         th, box = _pull_in_thread(client, server.address, "r2", h.fingerprint)
         feed(stream, other, delay_s=0.3)  # slow: the sender goes away mid-stream
-        time.sleep(0.5)
+        eventually(lambda: len(src.attached) == 2, 10, "the second receiver attached")
     finally:
         server.stop()
     th.join(10)
@@ -358,10 +358,12 @@ def test_gloo_pairs_per_peer_bound_concurrent_streams():
     try:
         streams = [src.open_stream(h) for h in handles]
         pulls = []
-        for h in handles:
+        for i, h in enumerate(handles):
             pulls.append(_pull_in_thread(client, server.address, h.request_id, h.fingerprint))
-            time.sleep(0.3)
-        assert client.num_pairs == 2 and len(src.attached) == 2  # the third is waiting
+            if i < 2:
+                eventually(lambda i=i: len(src.attached) == i + 1, 10, f"stream {i} attached")
+        eventually(lambda: client.transfers_waiting == 1, 10, "the third to wait for a pair")
+        assert client.num_pairs == 2 and len(src.attached) == 2
         for stream, h, (th, box) in zip(streams, handles, pulls, strict=True):
             feed(stream, h).join()
             th.join(10)
