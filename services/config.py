@@ -310,6 +310,15 @@ class ServeConfig(BaseModel):
         "readiness fails meanwhile) before the cluster stops",
     )
     ray_address: str | None = Field(None, description="join this Ray cluster; None = start one")
+    serve_data_plane: Literal["grpc", "actor"] = Field(
+        "grpc",
+        description="how Ray Serve carries the calls between pdserve's deployments (each "
+        "request's prefill and decode calls, every streamed token): grpc = straight between "
+        "the replicas over gRPC (the data plane of Ray Serve's throughput-optimized mode; "
+        "authenticated like Ray's own calls); actor = Ray actor calls. Ray reads it when its "
+        "processes start: `pdserve serve` hands it to the actors it starts, the Helm chart "
+        "puts it on its pods; a Serve instance already running keeps its own",
+    )
     routing: Literal["prefix_aware", "least_loaded"] = Field(
         "prefix_aware",
         description="prefill replica choice: cached prefix against queued work, or load only",

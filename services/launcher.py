@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import MutableMapping
 
+from services import data_plane
 from services.affinity import format_cpus, split_cores
 from services.config import ServeConfig
 
@@ -48,6 +49,13 @@ def for_one_host(cfg: ServeConfig) -> ServeConfig:
     return cfg
 
 
+def ray_runtime_env(cfg: ServeConfig) -> dict[str, dict[str, str]]:
+    """The job's runtime environment: every actor this driver starts (Serve's controller, and
+    through it the proxies and replicas) gets ``serve_data_plane``'s variable
+    (``services.data_plane``). NOTE: not this process's own environment."""
+    return {"env_vars": dict(data_plane.ENV[cfg.serve_data_plane])}
+
+
 def local_ray_auth(environ: MutableMapping[str, str]) -> None:
     """Ray's token authentication for the one-host cluster the launcher starts: its GCS and
     raylet listen on every interface, and without a token any process that reaches them may
@@ -69,7 +77,7 @@ def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int
     if not cfg.ray_address:
         cfg = for_one_host(cfg)
     if cfg.ray_address:
-        ray.init(address=cfg.ray_address)
+        ray.init(address=cfg.ray_address, runtime_env=ray_runtime_env(cfg))
     else:
         # NOTE: a local cluster advertises each pool's custom resource, one unit per replica,
         # so prefill and decode replicas land on "their" pool just as on a real cluster.
@@ -77,7 +85,7 @@ def serve_forever(cfg: ServeConfig, ready: threading.Event | None = None) -> int
         resources: dict[str, float] = {}
         for pool in pools:
             resources[pool.resource] = resources.get(pool.resource, 0) + pool.replicas
-        ray.init(resources=resources, include_dashboard=False)
+        ray.init(resources=resources, include_dashboard=False, runtime_env=ray_runtime_env(cfg))
         started_ray = True
     stop = threading.Event()
     serving = threading.Event()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvtransfer.base import Transport
+from services import data_plane
 from services.affinity import parse_cpus, pin_current_process
 from services.config import PoolConfig, ServeConfig
 from services.engine.async_engine import AsyncEngine
@@ -222,5 +223,5 @@ def open_index(cfg: ServeConfig, handle: Any = None) -> PrefixIndex | None:
     if handle is not None:
         from services.prefix_index.server import HandleIndex
 
-        return HandleIndex(handle)
+        return HandleIndex(data_plane.on(handle, cfg.serve_data_plane))
     return None

@@ -31,6 +31,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ray.serve.exceptions import BackPressureError
 
+from services import data_plane
 from services.config import ServeConfig
 from services.engine.block_hash import BlockHash, hash_blocks, salted_root
 from services.engine.errors import InvalidRequestError
@@ -283,8 +284,8 @@ class Gateway:
     def __init__(
         self, prefill: Any, decode: Any, cfg: ServeConfig, index_handle: Any = None
     ) -> None:
-        self.prefill = prefill
-        self.decode = decode
+        self.prefill = data_plane.on(prefill, cfg.serve_data_plane)
+        self.decode = data_plane.on(decode, cfg.serve_data_plane)
         self.cfg = cfg
         self.index = open_index(cfg, index_handle)
         self._index_down_until = 0.0  # monotonic; > now while routing ignores the index

@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from services import data_plane
 from tests.fixtures import free_port
 
 PORT = 18431
@@ -26,7 +27,8 @@ def ray_serve():
         resources={"prefill_pool": 8, "decode_pool": 8},
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+        # NOTE: the product's default Serve data plane (services.launcher.ray_runtime_env)
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **data_plane.ENV["grpc"]}},
         _metrics_export_port=RAY_METRICS_PORT,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})

@@ -423,3 +423,20 @@ def test_tenant_keys_reach_the_head_only():
             assert ref == {"name": "pdserve-tenants", "key": "api_keys"}
         else:
             assert "PDSERVE_API_KEYS" not in env
+
+
+@pytest.mark.parametrize("plane, env, opened", [("grpc", "1", True), ("actor", "0", False)])
+def test_the_serve_data_plane_reaches_every_ray_pod_and_the_network_policy(plane, env, opened):
+    """Ray Serve reads RAY_SERVE_USE_GRPC_BY_DEFAULT in each process: every Ray pod carries
+    it; with grpc, replicas listen on ephemeral ports, which the policy opens to the release's
+    own Ray pods only."""
+    docs = render(CHART / "examples" / "pd-gpu-pools.yaml", f'serve.serveDataPlane="{plane}"')
+    assert serve_args(docs)["serve_data_plane"] == plane
+    for g in groups(docs).values():
+        (c,) = g["template"]["spec"]["containers"]
+        assert {e["name"]: e.get("value") for e in c["env"]}["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == env
+    rp = _policy(docs, "-ray")
+    (peers,) = [r for r in rp["ingress"] if r.get("from") == rp["ingress"][0]["from"]]
+    ephemeral = {"protocol": "TCP", "port": 32768, "endPort": 60999}
+    assert (ephemeral in peers["ports"]) is opened
+    assert all(ephemeral not in r["ports"] for r in rp["ingress"] if r is not peers)

@@ -146,6 +146,7 @@ request_timeout_s: {{ $s.requestTimeoutS }}
 resume_timeout_s: {{ $s.resumeTimeoutS }}
 shutdown_grace_s: {{ $s.shutdownGraceS }}
 max_request_bytes: {{ $s.maxRequestBytes | int }}
+serve_data_plane: {{ $s.serveDataPlane }}
 routing: {{ $s.routing }}
 {{- if eq $s.routing "prefix_aware" }}
 redis_url: {{ include "pdserve.redisUrl" . | quote }}
@@ -163,6 +164,8 @@ decode:
 {{- define "pdserve.env" -}}
 - name: OMP_NUM_THREADS
   value: "1"
+- name: RAY_SERVE_USE_GRPC_BY_DEFAULT
+  value: {{ if eq .Values.serve.serveDataPlane "grpc" }}"1"{{ else }}"0"{{ end }}
 - name: PYTHONDONTWRITEBYTECODE
   value: "1"
 - name: HOME
