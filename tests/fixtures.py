@@ -379,12 +379,9 @@ def narrower_kernel_builds() -> dict[str, Any]:
     AVX-512) and ``portable`` (no AVX2 / FMA either), each checked to report its level (an
     AVX2 build on a host without AVX2 is portable). Builds under ``PDSERVE_CACHE_DIR``: point
     it at a scratch folder first."""
-    import os
-    import shutil
-
     from services.engine.cpu_kernels import library
 
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = library.compiler()
     assert cc is not None
     has_avx2 = library.simd_level() != "portable"
     narrower = {  # name: (flags, the SIMD level that build must report)

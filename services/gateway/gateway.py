@@ -452,10 +452,9 @@ class Gateway:
         deadline = self.cfg.request_timeout_s
         n = len(spec.prompt_ids)
         aware = self.cfg.routing == "prefix_aware"
-        # NOTE: hashed only for a reader: the index's lookup, or the router's memory of what
-        # it sent where (prefix-aware routing)
-        needed = aware or self.index is not None
-        hashes = self.prompt_hashes(spec.prompt_ids, spec.params.cache_salt) if needed else []
+        # NOTE: hashed only under prefix-aware routing, the one that reads them (the index's
+        # lookup, the router's memory of what it sent where; least_loaded opens no index)
+        hashes = self.prompt_hashes(spec.prompt_ids, spec.params.cache_salt) if aware else []
         cached = await self.lookup(hashes)
         on_decode = {k: v for k, v in cached.items() if k.startswith("decode-")}
         direct = prefill_on_decode(

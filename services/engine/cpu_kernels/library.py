@@ -102,6 +102,11 @@ def bind(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: ``$CC``, else ``cc`` or ``gcc`` on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def load() -> ctypes.CDLL | None:
     """The kernels library, built if needed; None if this machine cannot build it."""
     with _lock:
@@ -109,7 +114,7 @@ def load() -> ctypes.CDLL | None:
             return _state["lib"]  # type: ignore[return-value]
         lib = None
         try:
-            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            cc = compiler()
             if cc is None:
                 raise OSError("no C compiler on PATH (install gcc)")
             lib = bind(_build(cc))
