@@ -87,28 +87,66 @@ def test_silu_and_mul_on_bf16_rounds_the_fp32_result_once(cpu):
     assert torch.equal(got[~want.isnan()], want[~want.isnan()]) and got[0, 2].isnan()
 
 
-@pytest.mark.parametrize("kv_dtype,dim", [("float32", 16), ("int8", 64)])
+def _decode_case(block_size: int, kv_dtype: str, dim: int, kv_heads: int, lens: tuple[int, ...]):  # type: ignore[no-untyped-def]
+    """A cache of random rows and one single-token span per length, in shuffled blocks."""
+    rng = random.Random(block_size)
+    torch.manual_seed(block_size)
+    n_blocks = sum(-(-n // block_size) for n in lens) + 2
+    cache = KVCache(1, n_blocks, block_size, kv_heads, dim, torch.float32, "cpu", kv_dtype)
+    every = torch.arange(n_blocks * block_size)
+    cache.write(
+        0, torch.randn(len(every), kv_heads, dim), torch.randn(len(every), kv_heads, dim), every
+    )
+    free = list(range(n_blocks))
+    rng.shuffle(free)
+    spans = []
+    for n in lens:
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        spans.append(SeqSpan(n - 1, 1, table))
+    return cache, spans
+
+
+def _attend(att, q, cache, spans, block_size, window):  # type: ignore[no-untyped-def]
+    meta = build_metadata(spans, block_size, "cpu", window)
+    att.prepare(meta)
+    return att.forward(q, cache, 0, meta)
+
+
+@pytest.mark.parametrize("kv_dtype,dim", [("float32", 16), ("int8", 64), ("float32", 64)])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_decode_attention_matches_reference(cpu, window, block_size, kv_dtype, dim):
-    rng = random.Random(block_size)
-    torch.manual_seed(block_size)
-    cache = KVCache(1, 120, block_size, 2, dim, torch.float32, "cpu", kv_dtype)
-    every = torch.arange(120 * block_size)
-    cache.write(0, torch.randn(len(every), 2, dim), torch.randn(len(every), 2, dim), every)
-    free = list(range(120))
-    rng.shuffle(free)
-    spans = []
-    for n in (1, 5, 17, 33):
-        table = [free.pop() for _ in range(-(-n // block_size))]
-        spans.append(SeqSpan(n - 1, 1, table))
+    cache, spans = _decode_case(block_size, kv_dtype, dim, 2, (1, 5, 16, 17, 33, 130))
     q = torch.randn(len(spans), 6, dim)
-    outs = []
-    for att in (TorchAttention(), cpu[0]):
-        meta = build_metadata(spans, block_size, "cpu", window)
-        att.prepare(meta)
-        outs.append(att.forward(q, cache, 0, meta))
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    want = _attend(TorchAttention(), q, cache, spans, block_size, window)
+    torch.testing.assert_close(
+        _attend(cpu[0], q, cache, spans, block_size, window), want, rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "kv_dtype,dim,heads,kv_heads",
+    [("float32", 64, 9, 3), ("int8", 64, 9, 3), ("float32", 128, 8, 2), ("float32", 32, 12, 1),
+     ("float32", 48, 4, 2), ("float32", 24, 4, 2)],
+)  # fmt: skip
+def test_decode_attention_matches_reference_on_every_simd_path(
+    kv_dtype, dim, heads, kv_heads, tmp_path, monkeypatch
+):
+    """Every build (this CPU's: 16 lanes where it has AVX-512; AVX2; portable C) and head
+    grouping (3, 4 and 12 query heads per KV head: 12 is past the 16-lane path's limit; 24
+    dims: not a multiple of 16) against the torch reference, contexts across 16-key blocks."""
+    from services.engine.cpu_backend import CpuAttention
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    cache, spans = _decode_case(16, kv_dtype, dim, kv_heads, (1, 15, 16, 31, 33, 257))
+    q = torch.randn(len(spans), heads, dim)
+    want = _attend(TorchAttention(), q, cache, spans, 16, None)
+    libs = {"native": library.load(), **narrower_kernel_builds()}
+    for name, lib in libs.items():
+        att = CpuAttention()
+        att.lib = lib
+        got = _attend(att, q, cache, spans, 16, None)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def _prompt_case(block_size: int, dim: int, ctx: int, seed: int = 0):  # type: ignore[no-untyped-def]

@@ -489,6 +489,120 @@ void pdserve_silu_and_mul_bf16(const uint16_t *restrict gu, int T, int I, uint16
     }
 }
 
+#if defined(__AVX512F__)
+/* 16 values of a cache row from element c (fp32 rows, or int8 rows of D values + D/32 scales;
+ * c is a multiple of 16, so the 16 share a scale) */
+static inline __attribute__((always_inline)) __m512 row16(const uint8_t *row, int c, int D, int q8) {
+    if (!q8) return _mm512_loadu_ps((const float *)row + c);
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c))));
+    return _mm512_mul_ps(v, _mm512_set1_ps(((const float *)(row + D))[c / 32]));
+}
+
+/* lane j of the result = the sum of a[j]'s 16 lanes: pairs of vectors interleaved and added,
+ * then 64-bit pairs, then 128-bit lanes (45 operations for 16 sums, against ~8 per sum for a
+ * horizontal add of each vector alone) */
+static inline __attribute__((always_inline)) __m512 sum16x16(const __m512 *a) {
+    __m512 s[8], u[4], v[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* lane k of u[i]: partial sums of a[4i .. 4i + 3] */
+        const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+#define AG_HEADS 8 /* query heads per KV head the 16-lane path takes (scratch on its stack) */
+
+/* attend_group on 16-lane vectors (D % 16 == 0, G <= AG_HEADS). Scores: each position's key
+ * row is read once for all G heads (one product chain per head, D / 16 long), 16 positions'
+ * chains then summed across lanes together (sum16x16); softmax as the 8-lane path (max,
+ * exp512 of the difference, sum, then the weights scaled by 1 / sum); values: each row read
+ * once per 64 columns for up to 4 heads, its weights broadcast into the heads' FMA chains.
+ * always_inline: the callers pass constant shapes, so the loops over heads and columns
+ * unroll into registers. */
+static inline __attribute__((always_inline)) void attend_group16(
+    const float *restrict qg, int G, int D, const uint8_t *restrict kc, const uint8_t *restrict vc,
+    int q8, const int64_t *restrict at, int n, float scale, float *restrict out,
+    float *restrict scores) {
+    const int C = D / 16;
+    const __m512 sc16 = _mm512_set1_ps(scale);
+    __m512 part[AG_HEADS][16];
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const int m = n - j0 < 16 ? n - j0 : 16;
+        for (int j = 0; j < 16; j++) {
+            if (j >= m) {
+                for (int h = 0; h < G; h++) part[h][j] = _mm512_setzero_ps();
+                continue;
+            }
+            const uint8_t *kr = kc + at[j0 + j];
+            __m512 acc[AG_HEADS];
+            for (int c = 0; c < C; c++) {
+                const __m512 k = row16(kr, 16 * c, D, q8);
+                for (int h = 0; h < G; h++) {
+                    const __m512 qv = _mm512_loadu_ps(qg + (int64_t)h * D + 16 * c);
+                    acc[h] = c ? _mm512_fmadd_ps(k, qv, acc[h]) : _mm512_mul_ps(k, qv);
+                }
+            }
+            for (int h = 0; h < G; h++) part[h][j] = acc[h];
+        }
+        const __mmask16 valid = (__mmask16)((1u << m) - 1);
+        for (int h = 0; h < G; h++)
+            _mm512_mask_storeu_ps(scores + (int64_t)h * n + j0, valid,
+                                  _mm512_mul_ps(sum16x16(part[h]), sc16));
+    }
+    for (int h = 0; h < G; h++) {
+        float *sc = scores + (int64_t)h * n;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 valid = (__mmask16)(n - j < 16 ? (1u << (n - j)) - 1 : 0xffffu);
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, sc + j));
+        }
+        const __m512 m16 = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 s16 = _mm512_setzero_ps();
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 valid = (__mmask16)(n - j < 16 ? (1u << (n - j)) - 1 : 0xffffu);
+            const __m512 e = _mm512_maskz_mov_ps(
+                valid, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sc + j), m16)));
+            _mm512_mask_storeu_ps(sc + j, valid, e);
+            s16 = _mm512_add_ps(s16, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(s16));
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 valid = (__mmask16)(n - j < 16 ? (1u << (n - j)) - 1 : 0xffffu);
+            _mm512_mask_storeu_ps(sc + j, valid, _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, sc + j), inv));
+        }
+    }
+    for (int h0 = 0; h0 < G; h0 += 4) {
+        const int hn = G - h0 < 4 ? G - h0 : 4;
+        for (int c0 = 0; c0 < C; c0 += 4) {
+            const int cn = C - c0 < 4 ? C - c0 : 4;
+            __m512 acc[4][4];
+            for (int h = 0; h < hn; h++)
+                for (int c = 0; c < cn; c++) acc[h][c] = _mm512_setzero_ps();
+            for (int j = 0; j < n; j++) {
+                const uint8_t *vr = vc + at[j];
+                __m512 v[4];
+                for (int c = 0; c < cn; c++) v[c] = row16(vr, 16 * (c0 + c), D, q8);
+                for (int h = 0; h < hn; h++) {
+                    const __m512 w = _mm512_set1_ps(scores[(int64_t)(h0 + h) * n + j]);
+                    for (int c = 0; c < cn; c++) acc[h][c] = _mm512_fmadd_ps(w, v[c], acc[h][c]);
+                }
+            }
+            for (int h = 0; h < hn; h++)
+                for (int c = 0; c < cn; c++)
+                    _mm512_storeu_ps(out + (int64_t)(h0 + h) * D + 16 * (c0 + c), acc[h][c]);
+        }
+    }
+}
+#endif
+
 /* One (sequence, kv head): the G query heads sharing it attend over n positions whose rows
  * start at byte offsets at[0..n) of kc / vc (computed once per sequence: the block-table
  * division is not redone per head and pass). qg [G, D]; out [G, D]; scores: G * n floats.
@@ -496,6 +610,16 @@ void pdserve_silu_and_mul_bf16(const uint16_t *restrict gu, int T, int I, uint16
 static void attend_group(const float *restrict qg, int G, int D, const uint8_t *restrict kc,
                          const uint8_t *restrict vc, int q8, const int64_t *restrict at, int n,
                          float scale, float *restrict out, float *restrict scores) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && G <= AG_HEADS) {
+        /* the shapes of the models pdserve ships and tests, as constants (unrolled) */
+        if (G == 3 && D == 64) attend_group16(qg, 3, 64, kc, vc, q8, at, n, scale, out, scores);
+        else if (G == 4 && D == 64) attend_group16(qg, 4, 64, kc, vc, q8, at, n, scale, out, scores);
+        else if (G == 4 && D == 128) attend_group16(qg, 4, 128, kc, vc, q8, at, n, scale, out, scores);
+        else attend_group16(qg, G, D, kc, vc, q8, at, n, scale, out, scores);
+        return;
+    }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0 && G <= 16) {
         for (int j = 0; j < n; j++) {
