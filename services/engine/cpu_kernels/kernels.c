@@ -519,6 +519,12 @@ static inline __attribute__((always_inline)) __m512 sum16x16(const __m512 *a) {
 }
 
 #define AG_HEADS 8 /* query heads per KV head the 16-lane path takes (scratch on its stack) */
+/* rows read ahead: a sequence's blocks lie anywhere in the cache, and the hardware prefetcher
+ * stops at each block's end (a 16-position block of fp32 rows is one 4 KiB page per head) */
+#define AG_AHEAD 16
+
+#define prefetch_row(row, bytes, hint)                                                         \
+    for (int pb_ = 0; pb_ < (bytes); pb_ += 64) _mm_prefetch((const char *)(row) + pb_, hint)
 
 /* attend_group on 16-lane vectors (D % 16 == 0, G <= AG_HEADS). Scores: each position's key
  * row is read once for all G heads (one product chain per head, D / 16 long), 16 positions'
@@ -531,7 +537,7 @@ static inline __attribute__((always_inline)) void attend_group16(
     const float *restrict qg, int G, int D, const uint8_t *restrict kc, const uint8_t *restrict vc,
     int q8, const int64_t *restrict at, int n, float scale, float *restrict out,
     float *restrict scores) {
-    const int C = D / 16;
+    const int C = D / 16, row_bytes = q8 ? D + D / 8 : 4 * D;
     const __m512 sc16 = _mm512_set1_ps(scale);
     __m512 part[AG_HEADS][16];
     for (int j0 = 0; j0 < n; j0 += 16) {
@@ -542,6 +548,10 @@ static inline __attribute__((always_inline)) void attend_group16(
                 continue;
             }
             const uint8_t *kr = kc + at[j0 + j];
+            if (j0 + j + AG_AHEAD < n) {
+                prefetch_row(kc + at[j0 + j + AG_AHEAD], row_bytes, _MM_HINT_T0);
+                prefetch_row(vc + at[j0 + j + AG_AHEAD], row_bytes, _MM_HINT_T1);
+            }
             __m512 acc[AG_HEADS];
             for (int c = 0; c < C; c++) {
                 const __m512 k = row16(kr, 16 * c, D, q8);
