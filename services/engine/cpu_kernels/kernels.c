@@ -65,19 +65,50 @@ static inline float hsum(__m256 v) {
 #endif
 
 /* x [K] -> xq [K] int16 and sx [K / 32]: x ~= xq * sx per group of 32 (round half even);
- * xsum [K / 32]: each group's sum of x (q4's min term) */
+ * xsum [K / 32]: each group's sum of x (q4's min term), added in one fixed tree on every path
+ * (x[i] + x[i + 16], then halves: + 8, + 4, + 2, + 1), so every build rounds it alike */
 static void quantize_i16(const float *restrict x, int K, int16_t *restrict xq, float *restrict sx,
                          float *restrict xsum) {
     for (int g = 0; g < K / QK; g++) {
         const float *xg = x + g * QK;
-        float amax = 0.f, s = 0.f;
+#if defined(__AVX512F__)
+        const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const __m512 t = _mm512_add_ps(a, b);
+        const __m256 u = _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 a0 = _mm256_loadu_ps(xg), a1 = _mm256_loadu_ps(xg + 8);
+        const __m256 b0 = _mm256_loadu_ps(xg + 16), b1 = _mm256_loadu_ps(xg + 24);
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 m8 = _mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1));
+        m8 = _mm256_max_ps(m8, _mm256_max_ps(_mm256_andnot_ps(sign, b0), _mm256_andnot_ps(sign, b1)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m256 u = _mm256_add_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1));
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        xsum[g] = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+#else
+        float amax = 0.f, t[16];
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xg[j]));
-        for (int j = 0; j < QK; j++) s += xg[j];
+        for (int j = 0; j < 16; j++) t[j] = xg[j] + xg[j + 16];
+        for (int h = 8; h >= 1; h /= 2)
+            for (int j = 0; j < h; j++) t[j] += t[j + h];
+        xsum[g] = t[0];
+#endif
         const float sc = amax / 32767.f;
         const float div = sc > 0.f ? sc : 1.f;
         sx[g] = sc;
-        xsum[g] = s;
+#if defined(__AVX512F__)
+        const __m512 d16 = _mm512_set1_ps(div);
+        _mm256_storeu_si256((__m256i *)(xq + g * QK), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(a, d16))));
+        _mm256_storeu_si256((__m256i *)(xq + g * QK + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(b, d16))));
+#else
         for (int j = 0; j < QK; j++) xq[g * QK + j] = (int16_t)nearbyintf(xg[j] / div);
+#endif
     }
 }
 
