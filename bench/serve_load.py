@@ -4,7 +4,9 @@ Starts ``pdserve serve`` (every default; only the ports moved) from each given s
 turn, waits for /health, sends ``--requests`` random prompts of ``--prompt-tokens`` tokens for
 ``--output-tokens`` tokens each (ignore_eos), ``--concurrency`` at a time (closed loop, streamed
 over HTTP), and reports output tokens/s, TTFT p50/p99 and ITL p50/p99 at the client; then stops
-that server (SIGINT to the process it started) before the next tree. Comparing trees in one run
+that server (SIGINT to the process it started) before the next tree. ``--cpu``: the CPU seconds
+each of the server's processes (by title) spent during the measured load, from /proc. Comparing
+trees in one run
 (``--trees /path/to/old /path/to/new``: e.g. a ``git worktree`` of an earlier commit) puts a
 change beside its baseline on the same machine state.
 
@@ -60,6 +62,51 @@ def wait_healthy(base: str, proc: subprocess.Popen, deadline_s: float = 300) -> 
     raise TimeoutError("pdserve serve did not become healthy")
 
 
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it (Ray's processes are the server's descendants)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def cpu_times(root: int) -> dict[int, tuple[str, float]]:
+    """Title and CPU seconds so far (user + system, all threads) of each process under
+    ``root``. A Ray worker's title names its actor (and, while it runs one, the method:
+    dropped here, as it changes between samples)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for pid in descendants(root):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        title = title.split(" ")[0].rsplit("/", 1)[-1]
+        if title.startswith("ray::"):
+            title = title.split(".")[0]
+        out[pid] = (title[:60] or "?", (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]):  # type: ignore[no-untyped-def]
+    """CPU seconds between two ``cpu_times`` samples, summed by title."""
+    spent: dict[str, float] = {}
+    for pid, (title, sec) in after.items():
+        spent[title] = spent.get(title, 0.0) + sec - before.get(pid, (title, 0.0))[1]
+    return spent
+
+
 def measure(tree: Path, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "services.cli", "serve", "--http-port", str(args.port)]
@@ -78,7 +125,14 @@ def measure(tree: Path, args: argparse.Namespace, prompts: list[list[int]]) -> d
                 raise RuntimeError(f"{e}; its log ends:\n{tail}") from None
             url = f"{base}/v1/completions"
             asyncio.run(load(url, prompts[:2], 4, 2))  # warm-up
+            before = cpu_times(proc.pid) if args.cpu else {}
             results, wall = asyncio.run(load(url, prompts, args.output_tokens, args.concurrency))
+            if args.cpu:
+                spent = cpu_spent(before, cpu_times(proc.pid))
+                print(f"CPU seconds over the {wall:.1f} s load (2 cores: {2 * wall:.1f}):")
+                for t, c in sorted(spent.items(), key=lambda kv: -kv[1]):
+                    if c >= 0.05:
+                        print(f"  {c:6.2f}  {t}")
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -124,6 +178,7 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--port", type=int, default=18700)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu", action="store_true", help="CPU seconds per server process")
     args = ap.parse_args()
     rng = random.Random(0)
     prompts = [
