@@ -37,6 +37,10 @@ Precisions (``EngineConfig`` fields; all with ``prepack_weights=False`` unless s
                 values (services/engine/kv_quant.py); every position attends to the
                 dequantized cache (the teacher-forced window is one prefill whose attention
                 reads the cache back), so the whole effect of the KV format is in the scores
+  fp32 + bf16 KV, gguf-q4 + fp32 KV
+                kv_cache_dtype="bfloat16" under fp32 activations: what ``auto`` stores on a
+                CPU with native bf16 (the gguf-q4 rows above use it there); and the default's
+                weights over an fp32 cache, to see the KV format's part alone
 
 Metrics, over all windows: perplexity = exp(mean NLL of the text's next tokens; a window's
 last position has no in-window target and is left out), its ratio to fp32, top-1 agreement
@@ -80,6 +84,8 @@ PRECISIONS: dict[str, dict[str, object]] = {
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
     "fp32 + int8 KV": {"quantization": "none", "dtype": "float32", "kv_cache_dtype": "int8"},
+    "fp32 + bf16 KV": {"quantization": "none", "dtype": "float32", "kv_cache_dtype": "bfloat16"},
+    "gguf-q4 + fp32 KV": {"quantization": "auto", "kv_cache_dtype": "float32"},
     "gguf-q4 + int8 KV": {"quantization": "auto", "kv_cache_dtype": "int8"},
 }
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True)

@@ -44,8 +44,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "int8"],
-        help="KV cache storage: auto = dtype; int8 = int8 with a scale per 32 values",
+        choices=["auto", "float32", "bfloat16", "int8"],
+        help="KV cache storage: auto = the matrix products' dtype (bf16 on a CPU with native "
+        "bf16 under dtype auto); int8 = int8 with a scale per 32 values",
     )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument(

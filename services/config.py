@@ -150,10 +150,11 @@ class ServeConfig(BaseModel):
         description="weights: auto keeps a GGUF's Q8_0/Q4_x weights quantized (CPU kernels); "
         "none = dtype everywhere; int8/int4 quantize float weights on load (CPU)",
     )
-    kv_cache_dtype: Literal["auto", "int8"] = Field(
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
         "auto",
-        description="KV cache storage: auto = dtype; int8 = int8 with a scale per 32 values "
-        "(a quarter of fp32's bytes: 4x the blocks in the same memory)",
+        description="KV cache storage: auto = the matrix products' dtype (bf16 on a CPU with "
+        "native bf16 under dtype auto, else dtype); float32 / bfloat16 as named; int8 = int8 "
+        "with a scale per 32 values (a quarter of fp32's bytes: 4x the blocks in the same memory)",
     )
     device: str = Field("cpu", description="cpu or cuda")
     speculative_tokens: int = Field(

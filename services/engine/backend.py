@@ -25,8 +25,9 @@ class Backend:
     # its launches read every size from device tensors, so a CUDA graph may capture a decode
     # step once per batch bucket and replay it (the torch reference slices by host lengths)
     graph_safe: bool
-    # reads and writes an int8 KV cache (services.engine.kv_quant)
-    int8_kv: bool = True
+    # reads and writes a KV cache stored in another format than the model's dtype (int8 rows of
+    # services.engine.kv_quant, or another float dtype)
+    kv_conversion: bool = True
 
 
 def _load_torch(prompt_dtype: torch.dtype | None) -> Backend:
@@ -43,7 +44,7 @@ def _load_triton(prompt_dtype: torch.dtype | None) -> Backend:
     # NOTE: its prompt attention computes in the model's dtype (bf16 by default on CUDA)
     from services.engine.triton_backend import TritonAttention, TritonOps
 
-    return Backend("triton", TritonAttention(), TritonOps(), graph_safe=True, int8_kv=False)
+    return Backend("triton", TritonAttention(), TritonOps(), graph_safe=True, kv_conversion=False)
 
 
 # name -> loader(prompt_dtype): the dtype prompt attention computes in (None: the model's)

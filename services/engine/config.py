@@ -169,7 +169,7 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
 
 Role = Literal["both", "prefill", "decode"]
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-KV_DTYPES = ("auto", "int8")  # kv_cache_dtype (services.engine.kv_quant)
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # kv_cache_dtype (services.engine.kv_quant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,8 +194,9 @@ class EngineConfig:
     # build (float checkpoints stay float; CUDA dequantizes); "none" computes everything in
     # dtype; "int8" / "int4" quantize float weights on load (CPU, groups of 32)
     quantization: str = "auto"
-    # KV cache storage: "auto" = the model's dtype; "int8" = int8 with a scale per 32 values
-    # (services.engine.kv_quant): a quarter of fp32's bytes, twice the blocks of bf16's
+    # KV cache storage: "auto" = the matrix products' dtype (bf16 on CPUs with native bf16
+    # under dtype auto, else the model's); "float32" / "bfloat16" as named; "int8" = int8 with
+    # a scale per 32 values (services.engine.kv_quant): a quarter of fp32's bytes
     kv_cache_dtype: str = "auto"
     # CUDA only: capture pure decode steps as CUDA graphs (needs a graph-safe backend)
     cuda_graphs: bool = True

@@ -3,9 +3,10 @@
 A batch-1 decode step of a small model is hundreds of tiny torch ops (about 55 a layer), and
 on CPU each costs a few microseconds of dispatch: for SmolLM2 that was about a third of the
 step. Here each op is one C call (``cpu_kernels/kernels.c``), the same arithmetic in the same
-order as the torch reference (``layer_ops.TorchOps``; -ffp-contract=off), in fp32. Spans
-longer than SHORT_SPAN (prompts) attend through the prompt kernel (``pdserve_prompt_attention``,
-flash-style, AVX-512) on an fp32 cache, else through the torch reference (SDPA).
+order as the torch reference (``layer_ops.TorchOps``; -ffp-contract=off), in fp32 over a
+cache of fp32, bf16 or int8 rows (widened to fp32 as they are read). Spans longer than
+SHORT_SPAN (prompts) attend through the prompt kernel (``pdserve_prompt_attention``,
+flash-style, AVX-512), else through the torch reference (SDPA).
 """
 
 from __future__ import annotations
@@ -68,14 +69,14 @@ class _SpanPlan:
 
 def prompt_kernel_fits() -> bool:
     """The prompt kernel is the fast path here: an AVX-512 CPU (elsewhere its portable C is
-    slower than SDPA's kernel). It also needs an unquantized cache (checked at the first step)."""
+    slower than SDPA's kernel)."""
     return "avx512f" in library.cpu_flags().split()
 
 
 class CpuAttention:
     """Decode kernel for steps made of short spans (decodes, speculative verifications);
-    for steps with a longer span the prompt kernel (fp32 cache, AVX-512, ``prompt_dtype``
-    None) or else the torch reference (SDPA). Measured on one Zen 4 core (SmolLM2: 9 heads, 3
+    for steps with a longer span the prompt kernel (AVX-512, ``prompt_dtype`` None) or else
+    the torch reference (SDPA). Measured on one Zen 4 core (SmolLM2: 9 heads, 3
     KV heads, 64 dims; ``bench/prompt_attention_bench.py``): 1.9x SDPA's fp32 causal kernel
     at 256-512 tokens. With ``prompt_dtype`` bf16 (AMX hosts) SDPA's bf16 kernel stays."""
 
@@ -98,12 +99,6 @@ class CpuAttention:
         self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:
         plan = meta.plan
-        # NOTE: this backend runs fp32 models only (``supports``), so an int8 cache is the one
-        # the prompt kernel cannot read; known at the first step with a prompt
-        if isinstance(plan, _SpanPlan) and cache.quantized:
-            self.prompt_kernel = False  # this engine's cache: the reference from now on
-            self.reference.prepare(meta)
-            plan = meta.plan
         if isinstance(plan, tuple):
             return self._decode(q, cache, layer, meta, *plan)
         if not isinstance(plan, _SpanPlan):
@@ -122,7 +117,7 @@ class CpuAttention:
                 q[q_start].data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1] * kc.shape[2],
                 table.data_ptr(), ctx, q_end - q_start, heads, kc.shape[0], dim,
                 meta.block_size, meta.sliding_window or 0, dim**-0.5, out[q_start].data_ptr(),
-                self._scratch.data_ptr(),
+                self._scratch.data_ptr(), cache.format_code,
             )  # fmt: skip
         return out
 
@@ -143,16 +138,11 @@ class CpuAttention:
             self._scores = torch.empty(max(need, 4096))
         q = q.contiguous()
         out = torch.empty_like(q)
-        kernel = (
-            self.lib.pdserve_decode_attention_q8
-            if cache.quantized
-            else self.lib.pdserve_decode_attention
-        )
-        kernel(
+        self.lib.pdserve_decode_attention(
             q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1] * kc.shape[2],
             tables.data_ptr(), tables.stride(0), lens.data_ptr(), b, heads,
             kc.shape[0], dim, meta.block_size, meta.sliding_window or 0, dim**-0.5,
-            out.data_ptr(), self._scores.data_ptr(),
+            out.data_ptr(), self._scores.data_ptr(), cache.format_code,
         )  # fmt: skip
         return out
 
@@ -204,15 +194,11 @@ class CpuOps:
         positions, cos, sin = rope  # type: ignore[misc]
         t, heads, dim = q.shape
         kc, vc = cache.k[layer], cache.v[layer]
-        kernel = (
-            self.lib.pdserve_rope_and_cache_q8
-            if cache.quantized
-            else self.lib.pdserve_rope_and_cache
-        )
-        kernel(
+        self.lib.pdserve_rope_and_cache(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             t, heads, k.shape[1], dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             kc.data_ptr(), vc.data_ptr(), kc.shape[1] * kc.shape[2], slot_mapping.data_ptr(),
+            cache.format_code,
         )  # fmt: skip
         return q, k  # rotated in place
 

@@ -161,11 +161,17 @@ class Engine:
                 f"build, not dtype {self.dtype_name} (head_dim {mc.head_dim}); use dtype "
                 "float32, or attention_backend torch or auto"
             )
-        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype_name)
-        if self.kv_dtype == "int8" and not self.backend.int8_kv:
+        # NOTE: auto follows the matrix products' dtype only where the backend converts the
+        # cache's rows (a backend that cannot stores the model's dtype, as before)
+        self.kv_dtype = resolve_kv_dtype(
+            config.kv_cache_dtype,
+            self.matmul_dtype_name if self.backend.kv_conversion else self.dtype_name,
+        )
+        if self.kv_dtype != self.dtype_name and not self.backend.kv_conversion:
             raise ValueError(
-                f"kv_cache_dtype int8 is not implemented by the {self.backend.name!r} attention "
-                "backend; use kv_cache_dtype auto, or attention_backend torch or cpu"
+                f"kv_cache_dtype {self.kv_dtype} under a {self.dtype_name} model is not "
+                f"implemented by the {self.backend.name!r} attention backend; use kv_cache_dtype "
+                "auto, or attention_backend torch or cpu"
             )
         self.batch_invariant = resolve_batch_invariant(
             config.batch_invariant, self.backend.name, matmul_dtype

@@ -51,6 +51,9 @@ class KVCache:
         self.kv_dtype = kv_dtype or next(n for n, d in kv_quant.FLOAT_DTYPES.items() if d == dtype)
         row, storage = kv_quant.row_layout(self.kv_dtype, head_dim)
         self.quantized = self.kv_dtype == "int8"
+        self.storage_dtype = storage
+        # the C kernels' name for the rows (None: a format they do not read, e.g. float16)
+        self.format_code = kv_quant.FORMAT_CODES.get(self.kv_dtype)
         self.dtype, self.head_dim = dtype, head_dim
         shape = (num_kv_heads, num_blocks + 1, block_size, row)
         self.block_size = block_size
@@ -68,8 +71,9 @@ class KVCache:
         return 2 * num_layers * block_size * num_kv_heads * row * esize
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., head_dim] keys or values as the cache stores them (rows of ``kv_quant``)."""
-        return kv_quant.quantize(x) if self.quantized else x
+        """[..., head_dim] keys or values as the cache stores them (rows of ``kv_quant``, or
+        the storage dtype: rounded to nearest even)."""
+        return kv_quant.quantize(x) if self.quantized else x.to(self.storage_dtype)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim]; slots: [num_tokens] int64."""
@@ -85,7 +89,7 @@ class KVCache:
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at ``slots`` ([n] int64), ``[num_kv_heads, n, head_dim]`` in the
-        compute dtype (dequantized for int8)."""
+        compute dtype (dequantized for int8, widened or rounded for another float)."""
         kc, vc = self.flat(layer)
         k, v = kc.index_select(1, slots), vc.index_select(1, slots)
         if self.quantized:
@@ -93,7 +97,7 @@ class KVCache:
                 kv_quant.dequantize(k, self.head_dim, self.dtype),
                 kv_quant.dequantize(v, self.head_dim, self.dtype),
             )
-        return k, v
+        return k.to(self.dtype), v.to(self.dtype)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy out blocks (storage format): [num_layers, 2, len(block_ids), block_size, kv_heads, row]."""

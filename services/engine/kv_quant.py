@@ -1,4 +1,10 @@
-"""The KV cache's storage formats: the model's float dtype, or int8 with per-block scales.
+"""The KV cache's storage formats: a float dtype, or int8 with per-block scales.
+
+``kv_cache_dtype: auto`` stores keys and values in the dtype of the model's matrix products:
+on a CPU with native bf16 under ``dtype: auto`` that is bf16 while activations stay fp32
+(``services.engine.precision``), so the cache holds half of fp32's bytes: a decode step reads
+half as much context, a block holds twice the tokens, a handoff moves half the bytes. Rows are
+rounded once, to nearest even, as they are written; attention widens them back to fp32.
 
 ``kv_cache_dtype: int8`` stores each (position, kv head) row of ``head_dim`` values as int8 in
 blocks of ``GROUP`` values along ``head_dim``, each block with its own fp32 scale (the Q8_0
@@ -28,13 +34,18 @@ GROUP = 32  # values per scale
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, model_dtype_name: str) -> str:
-    """The cache's storage format name: the model's dtype for ``auto``, else ``int8``."""
+# the C kernels' row format codes (cpu_kernels/kernels.c: KV_F32, KV_Q8, KV_BF16)
+FORMAT_CODES = {"float32": 0, "int8": 1, "bfloat16": 2}
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, matmul_dtype_name: str) -> str:
+    """The cache's storage format name: for ``auto`` the dtype of the model's matrix products
+    (``precision.resolve_matmul_dtype``), else the name given."""
     if kv_cache_dtype not in KV_DTYPES:
         raise ValueError(
             f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of: {', '.join(KV_DTYPES)}"
         )
-    return model_dtype_name if kv_cache_dtype == "auto" else kv_cache_dtype
+    return matmul_dtype_name if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def row_layout(kv_dtype: str, head_dim: int) -> tuple[int, torch.dtype]:

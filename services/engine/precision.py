@@ -1,9 +1,10 @@
 """What ``dtype: auto`` and ``quantization: auto`` mean on this machine, and the weights that
 follow from them.
 
-- dtype ``auto``: bfloat16 on CUDA. On CPU float32 activations and KV (the format of pdserve's
-  C kernels: fused decode step, attention, quantized linears) with the packed matrix products
-  (prompts, large batches) in bfloat16 where the CPU computes it natively (AVX512-BF16 or
+- dtype ``auto``: bfloat16 on CUDA. On CPU float32 activations (the format of pdserve's C
+  kernels: fused decode step, attention, quantized linears) with the packed matrix products
+  (prompts, large batches) and the KV cache's storage (``kv_quant.resolve_kv_dtype``) in
+  bfloat16 where the CPU computes it natively (AVX512-BF16 or
   AMX: oneDNN's packed bf16 GEMM, 5-7x the fp32 GEMM's rate on one AMX core, 2.2x on a Zen 4
   core), float32 elsewhere (measured on AVX2: bf16 GEMMs 1.5-2x slower than fp32,
   BENCHMARKS.md); prompt attention in bf16 only with AMX (``prompt_attention_dtype``).

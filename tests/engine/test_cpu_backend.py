@@ -37,9 +37,10 @@ def test_add_rms_norm(cpu, with_residual):
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("kv_dtype,dim", [("float32", 16), ("int8", 64)])
+@pytest.mark.parametrize("kv_dtype,dim", [("float32", 16), ("int8", 64), ("bfloat16", 16)])
 def test_rope_and_cache(cpu, kv_dtype, dim):
-    """Same bytes in the cache: for int8 the C quantizer rounds exactly as kv_quant does."""
+    """Same bytes in the cache: for int8 the C quantizer rounds exactly as kv_quant does, for
+    bf16 the C rounding exactly as torch's (to nearest even)."""
     cfg = ModelConfig("llama", 100, 6 * dim, 64, 1, 6, 2, dim, 128)
     rot = Rotary(cfg, 128, torch.float32, "cpu")
     g = torch.Generator().manual_seed(1)
@@ -112,7 +113,9 @@ def _attend(att, q, cache, spans, block_size, window):  # type: ignore[no-untype
     return att.forward(q, cache, 0, meta)
 
 
-@pytest.mark.parametrize("kv_dtype,dim", [("float32", 16), ("int8", 64), ("float32", 64)])
+@pytest.mark.parametrize(
+    "kv_dtype,dim", [("float32", 16), ("int8", 64), ("float32", 64), ("bfloat16", 64)]
+)
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_decode_attention_matches_reference(cpu, window, block_size, kv_dtype, dim):
@@ -127,7 +130,8 @@ def test_decode_attention_matches_reference(cpu, window, block_size, kv_dtype, d
 @pytest.mark.parametrize(
     "kv_dtype,dim,heads,kv_heads",
     [("float32", 64, 9, 3), ("int8", 64, 9, 3), ("float32", 128, 8, 2), ("float32", 32, 12, 1),
-     ("float32", 48, 4, 2), ("float32", 24, 4, 2)],
+     ("float32", 48, 4, 2), ("float32", 24, 4, 2), ("bfloat16", 64, 9, 3),
+     ("bfloat16", 128, 8, 2), ("bfloat16", 24, 4, 2)],
 )  # fmt: skip
 def test_decode_attention_matches_reference_on_every_simd_path(
     kv_dtype, dim, heads, kv_heads, tmp_path, monkeypatch
@@ -149,11 +153,11 @@ def test_decode_attention_matches_reference_on_every_simd_path(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def _prompt_case(block_size: int, dim: int, ctx: int, seed: int = 0):  # type: ignore[no-untyped-def]
+def _prompt_case(block_size: int, dim: int, ctx: int, seed: int = 0, kv_dtype: str = "float32"):  # type: ignore[no-untyped-def]
     """A cache holding one sequence of ``ctx`` positions in shuffled blocks: (cache, table)."""
     torch.manual_seed(seed)
     blocks = -(-ctx // block_size) + 3
-    cache = KVCache(1, blocks, block_size, 3, dim, torch.float32, "cpu")
+    cache = KVCache(1, blocks, block_size, 3, dim, torch.float32, "cpu", kv_dtype)
     every = torch.arange(blocks * block_size)
     cache.write(0, torch.randn(len(every), 3, dim), torch.randn(len(every), 3, dim), every)
     table = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed))
@@ -169,16 +173,18 @@ def _run_prompt(lib, cache, table, q, ctx, window=0):  # type: ignore[no-untyped
     lib.pdserve_prompt_attention(
         q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1] * kc.shape[2], t.data_ptr(), ctx,
         n, heads, 3, dim, cache.block_size, window, dim**-0.5, out.data_ptr(), scratch.data_ptr(),
+        cache.format_code,
     )  # fmt: skip
     return out
 
 
 def _sdpa64(cache, table, q, ctx, window=0):  # type: ignore[no-untyped-def]
-    """Causal attention of the span's rows in float64 (the rows are the last n of ctx)."""
+    """Causal attention of the span's rows in float64 over the cache's values (the rows are
+    the last n of ctx)."""
     n = q.shape[0]
     bs = cache.block_size
     slots = (torch.tensor(table)[:, None] * bs + torch.arange(bs)).flatten()[:ctx]
-    k, v = (c[0].flatten(1, 2)[:, slots].double() for c in (cache.k, cache.v))
+    k, v = (t.double() for t in cache.gather(0, slots))
     q_pos = torch.arange(ctx - n, ctx)[:, None]
     k_pos = torch.arange(ctx)[None, :]
     mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
@@ -212,6 +218,21 @@ def test_prompt_attention_matches_float64_on_every_simd_path(
         assert err < 5e-6, (name, err)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_prompt_attention_reads_bf16_and_int8_caches_on_every_simd_path(
+    kv_dtype, tmp_path, monkeypatch
+):
+    """Rows of a bf16 or int8 cache widened to fp32 as they are gathered: the same attention
+    as over those values in float64, on every build."""
+    cache, table = _prompt_case(16, 64, 150, kv_dtype=kv_dtype)
+    q = torch.randn(100, 9, 64)
+    want = _sdpa64(cache, table, q, 150)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    for name, lib in {"native": library.load(), **narrower_kernel_builds()}.items():
+        err = float((_run_prompt(lib, cache, table, q, 150).double() - want).abs().max())
+        assert err < 5e-6, (name, err)
+
+
 def test_prompt_attention_gives_a_row_the_same_bits_however_the_prompt_is_chunked():
     """Key blocks start at position 0 whatever the span: a prompt in one span, or as a prefix
     then the rest (chunked prefill, a prefix-cache hit), gives each row the same bits."""
@@ -226,7 +247,8 @@ def test_prompt_attention_gives_a_row_the_same_bits_however_the_prompt_is_chunke
 
 
 @pytest.mark.skipif(not prompt_kernel_fits(), reason="the prompt kernel runs on AVX-512")
-def test_a_mixed_step_attends_prompts_by_kernel_and_short_spans_by_the_decode_kernel(cpu):
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_a_mixed_step_attends_prompts_by_kernel_and_short_spans_by_the_decode_kernel(cpu, kv_dtype):
     """A step of a long prompt span, a decode row, a 3-token verification span and a second
     prompt after a cached prefix: the cpu backend plans the prompt kernel, and every row
     matches the torch reference."""
@@ -235,7 +257,7 @@ def test_a_mixed_step_attends_prompts_by_kernel_and_short_spans_by_the_decode_ke
     att = cpu[0]
     assert att.prompt_kernel
     torch.manual_seed(5)
-    cache = KVCache(1, 64, 16, 3, 64, torch.float32, "cpu")
+    cache = KVCache(1, 64, 16, 3, 64, torch.float32, "cpu", kv_dtype)
     every = torch.arange(64 * 16)
     cache.write(0, torch.randn(len(every), 3, 64), torch.randn(len(every), 3, 64), every)
     spans = [SeqSpan(0, 40, [0, 1, 2]), SeqSpan(20, 1, [3, 4]), SeqSpan(50, 3, [5, 6, 7, 8]),

@@ -1,6 +1,6 @@
 """``FusedDecode``: a whole pure-decode step in one C call equals the per-op path bit for bit
 (tokens and log-probabilities), for every model variant, batch sizes up to and past its limit,
-float and int8 KV; and it is actually the path the engine takes."""
+fp32, bf16 and int8 KV; and it is actually the path the engine takes."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def _run(eng, prompts, params):
         ("qwen2-bias", {}),  # biases on q, k, v
         ("mistral-window", {}),  # sliding window: contexts pass it below
         ("llama-hd64", {"kv_cache_dtype": "int8"}),
+        ("llama-hd64", {"kv_cache_dtype": "bfloat16"}),
     ],
 )
 @pytest.mark.parametrize("batch", [1, 3, MAX_BATCH + 3])

@@ -16,7 +16,12 @@ needs_kernels = pytest.mark.skipif(library.load() is None, reason="no C compiler
 @needs_kernels
 @pytest.mark.parametrize(
     "dtype, kv_dtype",
-    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8")],
+    [
+        (torch.float32, None),
+        (torch.bfloat16, None),
+        (torch.float32, "int8"),
+        (torch.float32, "bfloat16"),
+    ],
 )
 def test_kernel_import_places_the_same_bytes_as_torch(monkeypatch, dtype, kv_dtype):
     layers, blocks, bs, heads, hd = 3, 12, 4, 2, 64

@@ -7,6 +7,7 @@ Tolerance (stated): a value's error is at most half a step of its 32-value group
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 
@@ -66,16 +67,20 @@ def test_cache_read_write_blocks_round_trip_bytes():
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_every_path_gives_the_same_tokens(make_engine, backend):
-    """One engine; prefill -> export -> decode; and a streamed prefill: same int8 tokens."""
-    cfg = dict(kv_cache_dtype="int8", attention_backend=backend)
+@pytest.mark.parametrize(
+    "kv, storage, row", [("int8", torch.uint8, 72), ("bfloat16", torch.bfloat16, 64)]
+)
+def test_every_path_gives_the_same_tokens(make_engine, backend, kv, storage, row):
+    """One engine; prefill -> export -> decode; and a streamed prefill: the same tokens from an
+    int8 cache, and from a bf16 cache under fp32 activations."""
+    cfg = dict(kv_cache_dtype=kv, attention_backend=backend)
     prompt = [random.Random(3).randrange(3, 256) for _ in range(29)]
     (solo,) = make_engine(MODEL, **cfg).generate([prompt], GREEDY)
     pre = make_engine(MODEL, role="prefill", **cfg)
     dec = make_engine(MODEL, role="decode", **cfg)
     _, handle = prefill_for_handoff(pre, "r", prompt, GREEDY)
-    assert handle.fingerprint.dtype == "int8" and handle.blocks.dtype == torch.uint8
-    assert handle.blocks.shape[-1] == 72
+    assert handle.fingerprint.dtype == kv and handle.blocks.dtype == storage
+    assert handle.blocks.shape[-1] == row
     dec.add_request("r", prompt, GREEDY, kv_handle=handle)
     got: list[int] = []
     while dec.has_unfinished:
@@ -99,10 +104,23 @@ def test_a_float_handle_is_refused_by_an_int8_engine(make_engine):
         dec.add_request("r", prompt, GREEDY, kv_handle=handle)
 
 
-def test_triton_backend_refuses_int8_by_name(make_engine):
+@pytest.mark.parametrize("kv", ["int8", "bfloat16"])
+def test_triton_backend_refuses_a_cache_format_it_cannot_read_by_name(make_engine, kv):
     pytest.importorskip("triton")
-    with pytest.raises(ValueError, match="kv_cache_dtype int8 is not implemented by the 'triton'"):
-        make_engine(MODEL, kv_cache_dtype="int8", attention_backend="triton")
+    with pytest.raises(ValueError, match=f"kv_cache_dtype {kv} under a float32 model is not"):
+        make_engine(MODEL, kv_cache_dtype=kv, attention_backend="triton")
+
+
+def test_auto_stores_the_matrix_products_dtype_where_the_backend_converts(make_engine):
+    """``auto``: the dtype of the packed matrix products (bf16 on a CPU with native bf16 under
+    dtype auto: half of fp32's bytes); the model's dtype under dtype float32, and on a backend
+    that reads only its own dtype."""
+    auto = make_engine(MODEL, dtype="auto")
+    assert auto.kv_dtype == auto.matmul_dtype_name
+    assert auto.cache.k[0].dtype == kv_quant.FLOAT_DTYPES[auto.matmul_dtype_name]
+    assert make_engine(MODEL).kv_dtype == "float32"  # dtype float32: fp32 everywhere
+    if importlib.util.find_spec("triton") is not None:
+        assert make_engine(MODEL, dtype="auto", attention_backend="triton").kv_dtype == "float32"
 
 
 @pytest.mark.slow

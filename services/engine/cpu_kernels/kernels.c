@@ -43,7 +43,41 @@
 #define MAX_ROWS 32 /* rows of x per pass over the weights (callers split larger batches) */
 #define MAX_GROUPS 512 /* K <= 16384 */
 
-int pdserve_kernels_abi(void) { return 13; }
+int pdserve_kernels_abi(void) { return 14; }
+
+/* KV cache row formats (services/engine/kv_quant.py: FORMAT_CODES): a (position, kv head) row
+ * of D values is D fp32, D bf16 (the top halves of fp32s, rounded to nearest even), or D int8
+ * followed by D / 32 fp32 scales */
+#define KV_F32 0
+#define KV_Q8 1
+#define KV_BF16 2
+
+static inline int64_t kv_row_bytes(int fmt, int D) {
+    return fmt == KV_Q8 ? D + D / 8 : (fmt == KV_BF16 ? 2 * (int64_t)D : 4 * (int64_t)D);
+}
+
+/* bf16 <-> fp32 (bf16 is the top half of an fp32; round to nearest even, NaN kept NaN) */
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* value i of a cache row, in fp32 */
+static inline float kv_value(const uint8_t *row, int i, int D, int fmt) {
+    if (fmt == KV_Q8) return (float)((const int8_t *)row)[i] * ((const float *)(row + D))[i / 32];
+    if (fmt == KV_BF16) return bf16_to_f32(((const uint16_t *)row)[i]);
+    return ((const float *)row)[i];
+}
+
 
 int pdserve_kernels_simd(void) {
 #if defined(PD_VNNI512)
@@ -336,14 +370,15 @@ static inline void quantize_row(const float *restrict x, int D, uint8_t *restric
 }
 
 /* RoPE on q and k in place, then each new token's k and v into the caches at slots[t]
- * (< 0: skipped): fp32 rows of D values, or (q8) int8 rows of quantize_row */
+ * (< 0: skipped), as rows of format fmt (int8: quantize_row; bf16: f32_to_bf16, the rounding
+ * of torch's .to(torch.bfloat16), so the cpu and torch backends write the same bytes) */
 static void rope_and_cache(float *restrict q, int64_t qs, float *restrict k, int64_t ks,
                            const float *restrict v, int64_t vs, int T, int H, int KVH, int D,
                            const int64_t *restrict positions, const float *restrict cos_t,
                            const float *restrict sin_t, uint8_t *restrict k_cache,
                            uint8_t *restrict v_cache, int64_t num_slots,
-                           const int64_t *restrict slots, int q8) {
-    const int64_t R = q8 ? D + D / 8 : (int64_t)D * 4; /* bytes a row */
+                           const int64_t *restrict slots, int fmt) {
+    const int64_t R = kv_row_bytes(fmt, D);
     for (int t = 0; t < T; t++) {
         const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
         for (int h = 0; h < H; h++) rope_head(q + t * qs + (int64_t)h * D, c, s, D);
@@ -354,9 +389,14 @@ static void rope_and_cache(float *restrict q, int64_t qs, float *restrict k, int
             const float *vh = v + t * vs + (int64_t)h * D;
             uint8_t *kc = k_cache + ((int64_t)h * num_slots + slots[t]) * R;
             uint8_t *vc = v_cache + ((int64_t)h * num_slots + slots[t]) * R;
-            if (q8) {
+            if (fmt == KV_Q8) {
                 quantize_row(kh, D, kc);
                 quantize_row(vh, D, vc);
+            } else if (fmt == KV_BF16) {
+                for (int i = 0; i < D; i++) {
+                    ((uint16_t *)kc)[i] = f32_to_bf16(kh[i]);
+                    ((uint16_t *)vc)[i] = f32_to_bf16(vh[i]);
+                }
             } else {
                 for (int i = 0; i < D; i++) { ((float *)kc)[i] = kh[i]; ((float *)vc)[i] = vh[i]; }
             }
@@ -365,26 +405,16 @@ static void rope_and_cache(float *restrict q, int64_t qs, float *restrict k, int
 }
 
 /* q [T, H, D] (row stride qs), k [T, KVH, D] (row stride ks), v (row stride vs): RoPE on q
- * and k in place, then k and v into the fp32 caches [KVH, slots, D] at slots[t] (< 0: skipped) */
+ * and k in place, then k and v into the caches [KVH, slots, row] (rows of format fmt) at
+ * slots[t] (< 0: skipped) */
 void pdserve_rope_and_cache(float *restrict q, int64_t qs, float *restrict k, int64_t ks,
                             const float *restrict v, int64_t vs, int T, int H, int KVH, int D,
                             const int64_t *restrict positions, const float *restrict cos_t,
-                            const float *restrict sin_t, float *restrict k_cache,
-                            float *restrict v_cache, int64_t num_slots,
-                            const int64_t *restrict slots) {
-    rope_and_cache(q, qs, k, ks, v, vs, T, H, KVH, D, positions, cos_t, sin_t,
-                   (uint8_t *)k_cache, (uint8_t *)v_cache, num_slots, slots, 0);
-}
-
-/* The same for an int8 cache: caches [KVH, slots, R] bytes, R = D + D / 8 */
-void pdserve_rope_and_cache_q8(float *restrict q, int64_t qs, float *restrict k, int64_t ks,
-                               const float *restrict v, int64_t vs, int T, int H, int KVH, int D,
-                               const int64_t *restrict positions, const float *restrict cos_t,
-                               const float *restrict sin_t, uint8_t *restrict k_cache,
-                               uint8_t *restrict v_cache, int64_t num_slots,
-                               const int64_t *restrict slots) {
+                            const float *restrict sin_t, uint8_t *restrict k_cache,
+                            uint8_t *restrict v_cache, int64_t num_slots,
+                            const int64_t *restrict slots, int fmt) {
     rope_and_cache(q, qs, k, ks, v, vs, T, H, KVH, D, positions, cos_t, sin_t, k_cache, v_cache,
-                   num_slots, slots, 1);
+                   num_slots, slots, fmt);
 }
 
 
@@ -432,10 +462,12 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
-/* 8 values of a cache row starting at element c (fp32 rows, or int8 rows of D values + D/32
- * scales) */
-static inline __m256 row8(const uint8_t *row, int c, int D, int q8) {
-    if (!q8) return _mm256_loadu_ps((const float *)row + c);
+/* 8 values of a cache row of format fmt starting at element c (a multiple of 8) */
+static inline __m256 row8(const uint8_t *row, int c, int D, int fmt) {
+    if (fmt == KV_F32) return _mm256_loadu_ps((const float *)row + c);
+    if (fmt == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * c))), 16));
     const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + c))));
     return _mm256_mul_ps(v, _mm256_broadcast_ss((const float *)(row + D) + c / 32));
 }
@@ -472,21 +504,6 @@ void pdserve_silu_and_mul(const float *restrict gu, int T, int I, float *restric
     }
 }
 
-/* bf16 <-> fp32 (bf16 is the top half of an fp32; round to nearest even, NaN kept NaN) */
-static inline float bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* pdserve_silu_and_mul on bf16 rows (the bf16 packed GEMM's result on AMX hosts, into the
  * next bf16 GEMM): each value widened to fp32, the same arithmetic, rounded back once. */
 void pdserve_silu_and_mul_bf16(const uint16_t *restrict gu, int T, int I, uint16_t *restrict out) {
@@ -521,10 +538,13 @@ void pdserve_silu_and_mul_bf16(const uint16_t *restrict gu, int T, int I, uint16
 }
 
 #if defined(__AVX512F__)
-/* 16 values of a cache row from element c (fp32 rows, or int8 rows of D values + D/32 scales;
- * c is a multiple of 16, so the 16 share a scale) */
-static inline __attribute__((always_inline)) __m512 row16(const uint8_t *row, int c, int D, int q8) {
-    if (!q8) return _mm512_loadu_ps((const float *)row + c);
+/* 16 values of a cache row of format fmt from element c (a multiple of 16: for int8 the 16
+ * share a scale) */
+static inline __attribute__((always_inline)) __m512 row16(const uint8_t *row, int c, int D, int fmt) {
+    if (fmt == KV_F32) return _mm512_loadu_ps((const float *)row + c);
+    if (fmt == KV_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * c))), 16));
     const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c))));
     return _mm512_mul_ps(v, _mm512_set1_ps(((const float *)(row + D))[c / 32]));
 }
@@ -566,9 +586,9 @@ static inline __attribute__((always_inline)) __m512 sum16x16(const __m512 *a) {
  * unroll into registers. */
 static inline __attribute__((always_inline)) void attend_group16(
     const float *restrict qg, int G, int D, const uint8_t *restrict kc, const uint8_t *restrict vc,
-    int q8, const int64_t *restrict at, int n, float scale, float *restrict out,
+    int fmt, const int64_t *restrict at, int n, float scale, float *restrict out,
     float *restrict scores) {
-    const int C = D / 16, row_bytes = q8 ? D + D / 8 : 4 * D;
+    const int C = D / 16, row_bytes = (int)kv_row_bytes(fmt, D);
     const __m512 sc16 = _mm512_set1_ps(scale);
     __m512 part[AG_HEADS][16];
     for (int j0 = 0; j0 < n; j0 += 16) {
@@ -585,7 +605,7 @@ static inline __attribute__((always_inline)) void attend_group16(
             }
             __m512 acc[AG_HEADS];
             for (int c = 0; c < C; c++) {
-                const __m512 k = row16(kr, 16 * c, D, q8);
+                const __m512 k = row16(kr, 16 * c, D, fmt);
                 for (int h = 0; h < G; h++) {
                     const __m512 qv = _mm512_loadu_ps(qg + (int64_t)h * D + 16 * c);
                     acc[h] = c ? _mm512_fmadd_ps(k, qv, acc[h]) : _mm512_mul_ps(k, qv);
@@ -630,7 +650,7 @@ static inline __attribute__((always_inline)) void attend_group16(
             for (int j = 0; j < n; j++) {
                 const uint8_t *vr = vc + at[j];
                 __m512 v[4];
-                for (int c = 0; c < cn; c++) v[c] = row16(vr, 16 * (c0 + c), D, q8);
+                for (int c = 0; c < cn; c++) v[c] = row16(vr, 16 * (c0 + c), D, fmt);
                 for (int h = 0; h < hn; h++) {
                     const __m512 w = _mm512_set1_ps(scores[(int64_t)(h0 + h) * n + j]);
                     for (int c = 0; c < cn; c++) acc[h][c] = _mm512_fmadd_ps(w, v[c], acc[h][c]);
@@ -647,17 +667,26 @@ static inline __attribute__((always_inline)) void attend_group16(
 /* One (sequence, kv head): the G query heads sharing it attend over n positions whose rows
  * start at byte offsets at[0..n) of kc / vc (computed once per sequence: the block-table
  * division is not redone per head and pass). qg [G, D]; out [G, D]; scores: G * n floats.
- * Rows: fp32 (q8 = 0) or int8 (q8 = 1). */
+ * Rows of format fmt (KV_F32, KV_Q8, KV_BF16). */
 static void attend_group(const float *restrict qg, int G, int D, const uint8_t *restrict kc,
-                         const uint8_t *restrict vc, int q8, const int64_t *restrict at, int n,
+                         const uint8_t *restrict vc, int fmt, const int64_t *restrict at, int n,
                          float scale, float *restrict out, float *restrict scores) {
 #if defined(__AVX512F__)
     if (D % 16 == 0 && G <= AG_HEADS) {
-        /* the shapes of the models pdserve ships and tests, as constants (unrolled) */
-        if (G == 3 && D == 64) attend_group16(qg, 3, 64, kc, vc, q8, at, n, scale, out, scores);
-        else if (G == 4 && D == 64) attend_group16(qg, 4, 64, kc, vc, q8, at, n, scale, out, scores);
-        else if (G == 4 && D == 128) attend_group16(qg, 4, 128, kc, vc, q8, at, n, scale, out, scores);
-        else attend_group16(qg, G, D, kc, vc, q8, at, n, scale, out, scores);
+        /* the shapes of the models pdserve ships and tests, and the row format, as constants
+         * (unrolled, no format test per row) */
+#define AG_SHAPE(g, d)                                                                           \
+    if (G == (g) && D == (d)) {                                                                 \
+        if (fmt == KV_F32) attend_group16(qg, g, d, kc, vc, KV_F32, at, n, scale, out, scores);  \
+        else if (fmt == KV_BF16) attend_group16(qg, g, d, kc, vc, KV_BF16, at, n, scale, out, scores); \
+        else attend_group16(qg, g, d, kc, vc, KV_Q8, at, n, scale, out, scores);                 \
+        return;                                                                                  \
+    }
+        AG_SHAPE(3, 64)
+        AG_SHAPE(4, 64)
+        AG_SHAPE(4, 128)
+#undef AG_SHAPE
+        attend_group16(qg, G, D, kc, vc, fmt, at, n, scale, out, scores);
         return;
     }
 #endif
@@ -668,7 +697,7 @@ static void attend_group(const float *restrict qg, int G, int D, const uint8_t *
             __m256 acc[16];
             for (int h = 0; h < G; h++) acc[h] = _mm256_setzero_ps();
             for (int c = 0; c < D; c += 8) {
-                const __m256 k = row8(kr, c, D, q8);
+                const __m256 k = row8(kr, c, D, fmt);
                 for (int h = 0; h < G; h++) acc[h] = _mm256_fmadd_ps(k, _mm256_loadu_ps(qg + h * D + c), acc[h]);
             }
             for (int h = 0; h < G; h++) scores[(int64_t)h * n + j] = hsum(acc[h]) * scale;
@@ -701,7 +730,7 @@ static void attend_group(const float *restrict qg, int G, int D, const uint8_t *
                     for (int j = 0; j < n; j++) {
                         const uint8_t *vr = vc + at[j];
                         const __m256 w = _mm256_set1_ps(sc[j] * inv[h]);
-                        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(w, row8(vr, c0 + 8 * c, D, q8), acc[c]);
+                        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(w, row8(vr, c0 + 8 * c, D, fmt), acc[c]);
                     }
                     for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + (int64_t)h * D + c0 + 8 * c, acc[c]);
                 }
@@ -711,7 +740,7 @@ static void attend_group(const float *restrict qg, int G, int D, const uint8_t *
         for (int j = 0; j < n; j++) {
             const uint8_t *vr = vc + at[j];
             for (int c = 0; c < D; c += 8) {
-                const __m256 v = row8(vr, c, D, q8);
+                const __m256 v = row8(vr, c, D, fmt);
                 for (int h = 0; h < G; h++) {
                     float *o = out + (int64_t)h * D + c;
                     const __m256 w = _mm256_set1_ps(scores[(int64_t)h * n + j] * inv[h]);
@@ -729,11 +758,7 @@ static void attend_group(const float *restrict qg, int G, int D, const uint8_t *
         for (int j = 0; j < n; j++) {
             const uint8_t *kr = kc + at[j];
             float dot = 0.f;
-            for (int i = 0; i < D; i++) {
-                const float k = q8 ? (float)((const int8_t *)kr)[i] * ((const float *)(kr + D))[i / 32]
-                                   : ((const float *)kr)[i];
-                dot += qh[i] * k;
-            }
+            for (int i = 0; i < D; i++) dot += qh[i] * kv_value(kr, i, D, fmt);
             sc[j] = dot * scale;
             if (sc[j] > mx) mx = sc[j];
         }
@@ -743,22 +768,19 @@ static void attend_group(const float *restrict qg, int G, int D, const uint8_t *
         for (int j = 0; j < n; j++) {
             const uint8_t *vr = vc + at[j];
             const float w = sc[j] / sum;
-            for (int i = 0; i < D; i++) {
-                const float v = q8 ? (float)((const int8_t *)vr)[i] * ((const float *)(vr + D))[i / 32]
-                                   : ((const float *)vr)[i];
-                o[i] += w * v;
-            }
+            for (int i = 0; i < D; i++) o[i] += w * kv_value(vr, i, D, fmt);
         }
     }
 }
 
 static void decode_attention(const float *restrict q, const uint8_t *restrict k_cache,
-                             const uint8_t *restrict v_cache, int64_t num_slots, int64_t row,
-                             int q8, const int32_t *restrict tables, int table_stride,
+                             const uint8_t *restrict v_cache, int64_t num_slots, int fmt,
+                             const int32_t *restrict tables, int table_stride,
                              const int32_t *restrict seq_lens, int B, int H, int KVH, int D,
                              int block_size, int window, float scale, float *restrict out,
                              float *restrict scores) {
     const int G = H / KVH;
+    const int64_t row = kv_row_bytes(fmt, D);
     for (int b = 0; b < B; b++) {
         const int L = seq_lens[b];
         const int lo = window > 0 && L > window ? L - window : 0;
@@ -773,41 +795,30 @@ static void decode_attention(const float *restrict q, const uint8_t *restrict k_
         for (int g = 0; g < KVH; g++)
             attend_group(q + ((int64_t)b * H + g * G) * D, G, D,
                          k_cache + (int64_t)g * num_slots * row, v_cache + (int64_t)g * num_slots * row,
-                         q8, at, n, scale, out + ((int64_t)b * H + g * G) * D, scores);
+                         fmt, at, n, scale, out + ((int64_t)b * H + g * G) * D, scores);
     }
 }
 
 /* One query token per sequence: out [B, H, D] = softmax(q k^T * scale) v over each
  * sequence's context [0, seq_lens[b]) (and the last `window` positions when window > 0),
- * read through its block table; caches [KVH, num_slots, D] fp32. scores: scratch of
- * (H / KVH + 2) * max_ctx + 2 floats (scores, then the rows' offsets). */
-void pdserve_decode_attention(const float *restrict q, const float *restrict k_cache,
-                              const float *restrict v_cache, int64_t num_slots,
+ * read through its block table; caches [KVH, num_slots, row] of format fmt. scores: scratch
+ * of (H / KVH + 2) * max_ctx + 2 floats (scores, then the rows' offsets). */
+void pdserve_decode_attention(const float *restrict q, const uint8_t *restrict k_cache,
+                              const uint8_t *restrict v_cache, int64_t num_slots,
                               const int32_t *restrict tables, int table_stride,
                               const int32_t *restrict seq_lens, int B, int H, int KVH, int D,
                               int block_size, int window, float scale, float *restrict out,
-                              float *restrict scores) {
-    decode_attention(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, num_slots,
-                     (int64_t)D * 4, 0, tables, table_stride, seq_lens, B, H, KVH, D,
-                     block_size, window, scale, out, scores);
-}
-
-/* The same over an int8 cache ([KVH, num_slots, D + D / 8] bytes, rows of quantize_row) */
-void pdserve_decode_attention_q8(const float *restrict q, const uint8_t *restrict k_cache,
-                                 const uint8_t *restrict v_cache, int64_t num_slots,
-                                 const int32_t *restrict tables, int table_stride,
-                                 const int32_t *restrict seq_lens, int B, int H, int KVH, int D,
-                                 int block_size, int window, float scale, float *restrict out,
-                                 float *restrict scores) {
-    decode_attention(q, k_cache, v_cache, num_slots, D + D / 8, 1, tables, table_stride,
-                     seq_lens, B, H, KVH, D, block_size, window, scale, out, scores);
+                              float *restrict scores, int fmt) {
+    decode_attention(q, k_cache, v_cache, num_slots, fmt, tables, table_stride, seq_lens, B, H,
+                     KVH, D, block_size, window, scale, out, scores);
 }
 
 
 /* ---- prompt attention -------------------------------------------------------------------
  * One sequence's span of n new tokens at positions [ctx - n, ctx), attending causally (and
- * within `window` when > 0) to its context [0, ctx) read through its block table; fp32 cache
- * [KVH, num_slots, D]; q [n, H, D], out [n, H, D]. Flash-style: per KV head the context's keys
+ * within `window` when > 0) to its context [0, ctx) read through its block table; caches
+ * [KVH, num_slots, row] of format fmt (widened to fp32 as they are gathered); q [n, H, D],
+ * out [n, H, D]. Flash-style: per KV head the context's keys
  * are gathered once, transposed in blocks of PA_KEYS ([D][PA_KEYS] each, so 16 keys' scores are
  * one FMA chain per query row), and its values contiguous; then tiles of PA_ROWS positions x the head group's G query
  * heads walk the keys in blocks of PA_KEYS with an online softmax (running max and sum), the
@@ -822,22 +833,34 @@ void pdserve_decode_attention_q8(const float *restrict q, const uint8_t *restric
 int64_t pdserve_prompt_attention_scratch(int ctx, int H, int KVH, int D) {
     const int64_t padded = ((int64_t)ctx + PA_KEYS - 1) / PA_KEYS * PA_KEYS;
     const int64_t G = H / KVH;
-    return 2 * padded * D + G * PA_ROWS * (2 * (int64_t)D + 2) + PA_ROWS * PA_KEYS + 64;
+    return 2 * padded * D + G * PA_ROWS * (2 * (int64_t)D + 2) + PA_ROWS * PA_KEYS
+           + (int64_t)PA_KEYS * D + 64;
 }
 
-void pdserve_prompt_attention(const float *restrict q, const float *restrict k_cache,
-                              const float *restrict v_cache, int64_t num_slots,
+/* a cache row of format fmt as D fp32 values */
+static inline void kv_row_f32(const uint8_t *restrict row, int D, int fmt, float *restrict dst) {
+    if (fmt == KV_F32) memcpy(dst, row, sizeof(float) * D);
+    else if (fmt == KV_BF16)
+        for (int i = 0; i < D; i++) dst[i] = bf16_to_f32(((const uint16_t *)row)[i]);
+    else
+        for (int i = 0; i < D; i++) dst[i] = kv_value(row, i, D, KV_Q8);
+}
+
+void pdserve_prompt_attention(const float *restrict q, const uint8_t *restrict k_cache,
+                              const uint8_t *restrict v_cache, int64_t num_slots,
                               const int32_t *restrict table, int ctx, int n, int H, int KVH,
                               int D, int block_size, int window, float scale,
-                              float *restrict out, float *restrict scratch) {
+                              float *restrict out, float *restrict scratch, int fmt) {
     const int G = H / KVH, start = ctx - n;
     const int64_t padded = ((int64_t)ctx + PA_KEYS - 1) / PA_KEYS * PA_KEYS;
+    const int64_t R = kv_row_bytes(fmt, D);
     float *kt = scratch, *vv = kt + padded * D;
     float *qs = vv + padded * D, *acc = qs + (int64_t)G * PA_ROWS * D;
     float *mx = acc + (int64_t)G * PA_ROWS * D, *sum = mx + G * PA_ROWS;
     float *sc = sum + G * PA_ROWS; /* [PA_ROWS][PA_KEYS] */
+    float *kw = sc + PA_ROWS * PA_KEYS; /* [PA_KEYS][D]: one block's keys widened to fp32 */
     for (int g = 0; g < KVH; g++) {
-        const float *kc = k_cache + (int64_t)g * num_slots * D, *vc = v_cache + (int64_t)g * num_slots * D;
+        const uint8_t *kc = k_cache + (int64_t)g * num_slots * R, *vc = v_cache + (int64_t)g * num_slots * R;
         /* keys blocked [padded / PA_KEYS][D][PA_KEYS] (one block's columns contiguous: a
          * [D][ctx] layout strides by ctx floats, and at long contexts those rows collide in
          * the same L1 sets), values [padded][D]; zeros past the context */
@@ -848,8 +871,12 @@ void pdserve_prompt_attention(const float *restrict q, const float *restrict k_c
                 const int64_t p = j0 + j;
                 if (p < ctx) {
                     const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                    rows_k[j] = kc + slot * D;
-                    memcpy(vv + p * D, vc + slot * D, sizeof(float) * D);
+                    if (fmt == KV_F32) rows_k[j] = (const float *)(kc + slot * R);
+                    else {
+                        kv_row_f32(kc + slot * R, D, fmt, kw + (int64_t)j * D);
+                        rows_k[j] = kw + (int64_t)j * D;
+                    }
+                    kv_row_f32(vc + slot * R, D, fmt, vv + p * D);
                 } else {
                     rows_k[j] = NULL;
                     memset(vv + p * D, 0, sizeof(float) * D);
@@ -1013,13 +1040,13 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *mlp_norm;
     pd_linear qkv, o, gate_up, down;
-    void *k_cache, *v_cache; /* [KVH, num_slots, row]: fp32 rows or int8 rows (kv_int8) */
+    void *k_cache, *v_cache; /* [KVH, num_slots, row]: rows of format kv_format */
 } pd_layer;
 
 typedef struct {
     int32_t num_layers, hidden, heads, kv_heads, head_dim, inter;
     float eps;
-    int32_t window, kv_int8, block_size;
+    int32_t window, kv_format, block_size;
     int64_t num_slots;
     const float *cos, *sin, *final_norm;
     const pd_layer *layers;
@@ -1056,11 +1083,10 @@ void pdserve_decode_step(const pd_model *m, int B, float *restrict x,
         pd_apply(&L->qkv, hn, B, qkv);
         rope_and_cache(qkv, qkv_n, qkv + H * D, qkv_n, qkv + (H + KVH) * D, qkv_n, B, H, KVH, D,
                        positions, m->cos, m->sin, L->k_cache, L->v_cache, m->num_slots, slots,
-                       m->kv_int8);
+                       m->kv_format);
         for (int b = 0; b < B; b++) /* q rows contiguous [B, H, D] */
             for (int j = 0; j < H * D; j++) q[(int64_t)b * H * D + j] = qkv[(int64_t)b * qkv_n + j];
-        decode_attention(q, L->k_cache, L->v_cache, m->num_slots,
-                         m->kv_int8 ? D + D / 8 : (int64_t)D * 4, m->kv_int8, tables, table_stride,
+        decode_attention(q, L->k_cache, L->v_cache, m->num_slots, m->kv_format, tables, table_stride,
                          seq_lens, B, H, KVH, D, m->block_size, m->window, scale, att, scores);
         pd_apply(&L->o, att, B, y);
         pdserve_add_rms_norm(y, res, L->mlp_norm, B, h, m->eps, hn, res2);

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from services import env
 
-ABI = 13
+ABI = 14
 _SOURCE = Path(__file__).with_name("kernels.c")
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
@@ -32,16 +32,14 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdserve_q8_gemm": [_P, _I, _I, _P, _P, _I, _P],
     "pdserve_add_rms_norm": [_P, _P, _P, _I, _I, _F, _P, _P],
     "pdserve_rope_and_cache": [_P, _L, _P, _L, _P, _L, _I, _I, _I, _I]
-    + [_P, _P, _P, _P, _P, _L, _P],
-    "pdserve_rope_and_cache_q8": [_P, _L, _P, _L, _P, _L, _I, _I, _I, _I]
-    + [_P, _P, _P, _P, _P, _L, _P],
+    + [_P, _P, _P, _P, _P, _L, _P, _I],
     "pdserve_silu_and_mul": [_P, _I, _I, _P],
     "pdserve_silu_and_mul_bf16": [_P, _I, _I, _P],
-    "pdserve_decode_attention": [_P, _P, _P, _L, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
+    "pdserve_decode_attention": [_P, _P, _P, _L, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P]
+    + [_I],
     "pdserve_prompt_attention_scratch": [_I, _I, _I, _I],
-    "pdserve_prompt_attention": [_P, _P, _P, _L, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P],
+    "pdserve_prompt_attention": [_P, _P, _P, _L, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
     "pdserve_decode_step": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P],
-    "pdserve_decode_attention_q8": [_P, _P, _P, _L, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
     "pdserve_write_blocks": [_P, _L, _I, _I, _I, _I, _L, _P, _P, _P, _L],
 }
 _RESULTS = {
