@@ -7,7 +7,8 @@ follow from them.
   bfloat16 where the CPU computes it natively (AVX512-BF16 or
   AMX: oneDNN's packed bf16 GEMM, 5-7x the fp32 GEMM's rate on one AMX core, 2.2x on a Zen 4
   core), float32 elsewhere (measured on AVX2: bf16 GEMMs 1.5-2x slower than fp32,
-  BENCHMARKS.md); prompt attention in bf16 only with AMX (``prompt_attention_dtype``).
+  BENCHMARKS.md); prompt attention in bf16 with AMX (SDPA, ``prompt_attention_dtype``) and,
+  through the bf16 cache, with AVX512-BF16 (the cpu backend's prompt kernel).
   ``float32`` is fp32 everywhere (the reference);
   ``bfloat16`` is bf16 everywhere (activations and KV too, on the torch attention backend).
 - quantization ``auto``: a GGUF's Q8_0 / Q4_x weights stay quantized on CPU when pdserve's

@@ -846,11 +846,142 @@ static inline void kv_row_f32(const uint8_t *restrict row, int D, int fmt, float
         for (int i = 0; i < D; i++) dst[i] = kv_value(row, i, D, KV_Q8);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* The prompt kernel over a bf16 cache on CPUs with AVX512-BF16: the same tiles, blocks, masks
+ * and online softmax, with both products as bf16 dot products (vdpbf16ps: pairs of bf16
+ * products summed into fp32 lanes, twice the fp32 FMA's rate). The scaled queries and the
+ * softmax weights are rounded to bf16 (nearest even) for the products, as SDPA's bf16 kernel
+ * rounds them; scores, the running max and sum, and the output accumulate in fp32.
+ * Layouts (32-bit words holding a pair of bf16, the lower-addressed in the low half): keys
+ * [padded / PA_KEYS][D / 2][PA_KEYS], a word = dims (2i, 2i + 1) of one key; values
+ * [padded / 2][D], a word = one dim of positions (2j, 2j + 1); queries [G][PA_ROWS][D / 2].
+ * A row's result depends only on its own q, position and context, as in the fp32 kernel. */
+static inline __attribute__((always_inline)) void prompt_attention_bf16(
+                                  const float *restrict q, const uint8_t *restrict k_cache,
+                                  const uint8_t *restrict v_cache, int64_t num_slots,
+                                  const int32_t *restrict table, int ctx, int n, int H, int KVH,
+                                  int D, int block_size, int window, float scale,
+                                  float *restrict out, float *restrict scratch) {
+    const int G = H / KVH, start = ctx - n, P = D / 2, C = D / 16;
+    const int64_t padded = ((int64_t)ctx + PA_KEYS - 1) / PA_KEYS * PA_KEYS, R = 2 * (int64_t)D;
+    uint32_t *kt = (uint32_t *)scratch, *vv = kt + padded * P;
+    uint32_t *qs = vv + padded / 2 * D;
+    float *acc = (float *)(qs + (int64_t)G * PA_ROWS * P);
+    float *mx = acc + (int64_t)G * PA_ROWS * D, *sum = mx + G * PA_ROWS;
+    for (int g = 0; g < KVH; g++) {
+        const uint8_t *kc = k_cache + (int64_t)g * num_slots * R, *vc = v_cache + (int64_t)g * num_slots * R;
+        for (int64_t j0 = 0; j0 < padded; j0 += PA_KEYS) {
+            uint32_t *kb = kt + j0 * P;
+            for (int j = 0; j < PA_KEYS; j++) {
+                const int64_t p = j0 + j;
+                const int64_t slot = p < ctx ? (int64_t)table[p / block_size] * block_size + p % block_size : -1;
+                const uint32_t *kr = slot >= 0 ? (const uint32_t *)(kc + slot * R) : NULL;
+                const uint16_t *vr = slot >= 0 ? (const uint16_t *)(vc + slot * R) : NULL;
+                for (int i = 0; i < P; i++) kb[(int64_t)i * PA_KEYS + j] = kr ? kr[i] : 0u;
+                uint16_t *vp = (uint16_t *)(vv + p / 2 * D) + (p & 1);
+                for (int d = 0; d < D; d++) vp[2 * d] = vr ? vr[d] : 0;
+            }
+        }
+        for (int t0 = 0; t0 < n; t0 += PA_ROWS) {
+            const int rows = n - t0 < PA_ROWS ? n - t0 : PA_ROWS;
+            const int last = start + t0 + rows - 1;
+            int first = 0;
+            if (window > 0 && start + t0 - window + 1 > 0) first = start + t0 - window + 1;
+            for (int h = 0; h < G; h++)
+                for (int r = 0; r < PA_ROWS; r++) {
+                    uint32_t *qr = qs + ((int64_t)h * PA_ROWS + r) * P;
+                    const float *src = q + ((int64_t)(t0 + r) * H + g * G + h) * D;
+                    for (int i = 0; i < P; i++)
+                        qr[i] = r < rows ? (uint32_t)f32_to_bf16(src[2 * i] * scale)
+                                               | (uint32_t)f32_to_bf16(src[2 * i + 1] * scale) << 16
+                                         : 0u;
+                    mx[h * PA_ROWS + r] = -INFINITY;
+                    sum[h * PA_ROWS + r] = 0.f;
+                    memset(acc + ((int64_t)h * PA_ROWS + r) * D, 0, sizeof(float) * D);
+                }
+            for (int k0 = first / PA_KEYS * PA_KEYS; k0 <= last; k0 += PA_KEYS) {
+                const uint32_t *kb = kt + (int64_t)k0 * P;
+                for (int h = 0; h < G; h++) {
+                    const uint32_t *qh = qs + (int64_t)h * PA_ROWS * P;
+                    __m512 s0[PA_ROWS], s1[PA_ROWS];
+                    for (int r = 0; r < PA_ROWS; r++) s0[r] = s1[r] = _mm512_setzero_ps();
+                    for (int i = 0; i < P; i++) {
+                        const __m512bh a = (__m512bh)_mm512_loadu_si512(kb + (int64_t)i * PA_KEYS);
+                        const __m512bh b = (__m512bh)_mm512_loadu_si512(kb + (int64_t)i * PA_KEYS + 16);
+                        for (int r = 0; r < PA_ROWS; r++) {
+                            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qh[(int64_t)r * P + i]);
+                            s0[r] = _mm512_dpbf16_ps(s0[r], a, x);
+                            s1[r] = _mm512_dpbf16_ps(s1[r], b, x);
+                        }
+                    }
+                    for (int r = 0; r < rows; r++) {
+                        const int pos = start + t0 + r;
+                        const int lo = window > 0 ? pos - window + 1 : 0;
+                        float *mr = mx + h * PA_ROWS + r, *lr = sum + h * PA_ROWS + r;
+                        float *o = acc + ((int64_t)h * PA_ROWS + r) * D;
+                        __m512 x0 = s0[r], x1 = s1[r];
+                        if (k0 + PA_KEYS - 1 > pos || k0 < lo) { /* a block the row sees in part */
+                            const __m512i k = _mm512_add_epi32(_mm512_set1_epi32(k0),
+                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+                            const __m512i k16 = _mm512_add_epi32(k, _mm512_set1_epi32(16));
+                            const __m512i pv = _mm512_set1_epi32(pos), lv = _mm512_set1_epi32(lo);
+                            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                            x0 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k, pv) & _mm512_cmpge_epi32_mask(k, lv), x0);
+                            x1 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k16, pv) & _mm512_cmpge_epi32_mask(k16, lv), x1);
+                        }
+                        const float m = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+                        if (m == -INFINITY) continue; /* nothing to attend in this block */
+                        const float m_new = m > *mr ? m : *mr;
+                        const float corr = *mr == -INFINITY ? 0.f : expf(*mr - m_new);
+                        const __m512 mv = _mm512_set1_ps(m_new);
+                        const __m512 e0 = exp512(_mm512_sub_ps(x0, mv));
+                        const __m512 e1 = exp512(_mm512_sub_ps(x1, mv));
+                        *lr = *lr * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+                        *mr = m_new;
+                        /* the 32 weights as 16 pairs of bf16 (keys 2j, 2j + 1) */
+                        uint32_t w[16];
+                        _mm512_storeu_si512(w, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+                        __m512 ov[16];
+                        const __m512 cv = _mm512_set1_ps(corr);
+                        for (int c = 0; c < C; c++) ov[c] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), cv);
+                        const uint32_t *vr = vv + (int64_t)k0 / 2 * D;
+                        for (int j = 0; j < 16; j++, vr += D) {
+                            const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)w[j]);
+                            for (int c = 0; c < C; c++)
+                                ov[c] = _mm512_dpbf16_ps(ov[c], (__m512bh)_mm512_loadu_si512(vr + 16 * c), pj);
+                        }
+                        for (int c = 0; c < C; c++) _mm512_storeu_ps(o + 16 * c, ov[c]);
+                    }
+                }
+            }
+            for (int h = 0; h < G; h++)
+                for (int r = 0; r < rows; r++) {
+                    const float inv = 1.f / sum[h * PA_ROWS + r];
+                    const float *o = acc + ((int64_t)h * PA_ROWS + r) * D;
+                    float *dst = out + ((int64_t)(t0 + r) * H + g * G + h) * D;
+                    for (int d = 0; d < D; d++) dst[d] = o[d] * inv;
+                }
+        }
+    }
+}
+#endif
+
 void pdserve_prompt_attention(const float *restrict q, const uint8_t *restrict k_cache,
                               const uint8_t *restrict v_cache, int64_t num_slots,
                               const int32_t *restrict table, int ctx, int n, int H, int KVH,
                               int D, int block_size, int window, float scale,
                               float *restrict out, float *restrict scratch, int fmt) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (fmt == KV_BF16 && D % 16 == 0 && D <= 256) {
+        if (D == 64) /* the common head size as a constant: the loops over it unroll */
+            prompt_attention_bf16(q, k_cache, v_cache, num_slots, table, ctx, n, H, KVH, 64,
+                                  block_size, window, scale, out, scratch);
+        else
+            prompt_attention_bf16(q, k_cache, v_cache, num_slots, table, ctx, n, H, KVH, D,
+                                  block_size, window, scale, out, scratch);
+        return;
+    }
+#endif
     const int G = H / KVH, start = ctx - n;
     const int64_t padded = ((int64_t)ctx + PA_KEYS - 1) / PA_KEYS * PA_KEYS;
     const int64_t R = kv_row_bytes(fmt, D);
