@@ -1,7 +1,7 @@
-"""KV cache dtype: what ``kv_cache_dtype: int8`` buys on the embedded default model, one thread.
+"""KV cache dtype: what bf16 and int8 KV buy on the embedded default model, one thread.
 
-Measures, for the model's own float cache (fp32 on this CPU) and for int8 (a scale per 32
-values, ``services/engine/kv_quant.py``), in one run:
+Measures, for an fp32 cache, a bf16 cache (what ``kv_cache_dtype: auto`` stores on a CPU with
+native bf16) and int8 (a scale per 32 values, ``services/engine/kv_quant.py``), in one run:
   - capacity: bytes per token and per block, blocks and 2,048-token requests that fit in
     ``--budget-mib`` of KV memory;
   - concurrency under that budget: ``--requests`` requests of ``--prompt-tokens`` random
@@ -38,7 +38,7 @@ from services.engine.engine import Engine
 from services.engine.kv_cache import KVCache
 from services.engine.sampling_params import SamplingParams
 
-KV = ("auto", "int8")
+KV = ("float32", "bfloat16", "int8")
 
 
 def capacity(eng: Engine, budget: int, kv: str) -> dict[str, float]:
@@ -116,12 +116,14 @@ def main() -> None:
         del roomy
         res[name] = row
         print(f"{name}: {json.dumps(row)}", flush=True)
-    f, q = res[next(iter(res))], res["int8"]
-    print(
-        f"\nint8 vs float KV: {q['capacity']['blocks'] / f['capacity']['blocks']:.2f}x blocks in "  # type: ignore[index]
-        f"{args.budget_mib} MiB; tok/s under that budget "
-        f"{q['under_budget']['tokens_per_s'] / f['under_budget']['tokens_per_s']:.2f}x"  # type: ignore[index]
-    )
+    f = res["float32"]
+    for name in ("bfloat16", "int8"):
+        q = res[name]
+        print(
+            f"{name} vs fp32 KV: {q['capacity']['blocks'] / f['capacity']['blocks']:.2f}x blocks "  # type: ignore[index]
+            f"in {args.budget_mib} MiB; tok/s under that budget "
+            f"{q['under_budget']['tokens_per_s'] / f['under_budget']['tokens_per_s']:.2f}x"  # type: ignore[index]
+        )
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
 

@@ -7,13 +7,18 @@ the launcher's own loader. The Dockerfiles: multi-stage, non-root."""
 from __future__ import annotations
 
 import base64
+import json
+import re
 import subprocess
+import typing
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
+
+from services.config import ServeConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "pdserve"
@@ -440,3 +445,25 @@ def test_the_serve_data_plane_reaches_every_ray_pod_and_the_network_policy(plane
     ephemeral = {"protocol": "TCP", "port": 32768, "endPort": 60999}
     assert (ephemeral in peers["ports"]) is opened
     assert all(ephemeral not in r["ports"] for r in rp["ingress"] if r is not peers)
+
+
+def test_the_schema_s_choices_are_the_serve_config_s():
+    """Each ``serve`` value the schema restricts to a list takes exactly the choices of the
+    ServeConfig field it renders into (camelCase -> snake_case): a choice the engine gained
+    is offered by the chart, and the chart offers nothing the loader refuses."""
+    props = json.loads((CHART / "values.schema.json").read_text())["properties"]["serve"]
+    checked = 0
+    for key, spec in props["properties"].items():
+        enums = [e for s in (spec, *spec.get("anyOf", ())) for e in s.get("enum", ())]
+        if not enums:
+            continue
+        field = ServeConfig.model_fields[re.sub(r"([A-Z])", r"_\1", key).lower()]
+        choices = {
+            a
+            for t in (field.annotation, *typing.get_args(field.annotation))
+            if typing.get_origin(t) is typing.Literal
+            for a in typing.get_args(t)
+        }
+        assert set(enums) == choices, key
+        checked += 1
+    assert checked >= 6
