@@ -32,12 +32,15 @@ QK = 32
 # NOTE: the measured crossover with oneDNN's packed GEMM, by the kernels' SIMD path and the
 # packed copy's dtype: above this many rows the packed GEMM is faster (SmolLM2's 120 linears,
 # one core). AVX2 kernels: fp32 above 16 rows; AMX bf16 above 4 (16.3 vs 15.0 ms at 4 rows,
-# 18.8 vs 26.9 ms at 8). AVX512-VNNI kernels, on a Zen 4 core with AVX512-BF16: bf16 above 16
-# (25.4 vs 30.3 ms at 16 rows, 47.6 vs 47.0 at 32), fp32 never within the kernels' 32 rows.
+# 18.8 vs 26.9 ms at 8). AVX512-VNNI kernels, on a Zen 4 core with AVX512-BF16: never within
+# the kernels' 32 rows (bf16: 25.4 vs 30.3 ms at 16 rows, 47.6 vs 47.0 at 32 for the linears
+# alone; and a step of 17-32 rows fused into one C call, FusedDecode, saves its per-op
+# overhead: 24 and 32 concurrent requests of bench/engine_bench.py's load, 347-374 -> 392-410
+# tok/s).
 # AVX512-VNNI kernels beside AMX: not measured yet; 8 rows, where the kernels (2.5x a row's
 # time at 8 rows on Zen 4) stay under the AMX GEMM's bf16 weight read (18.8 ms at 8 rows).
 KERNEL_ROWS = {
-    "avx512-vnni": {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16},
+    "avx512-vnni": {torch.float32: 32, torch.bfloat16: 32, torch.float16: 32},
     "avx512-vnni+amx": {torch.float32: 32, torch.bfloat16: 8, torch.float16: 8},
     "avx2": {torch.float32: 16, torch.bfloat16: 4, torch.float16: 4},
 }
