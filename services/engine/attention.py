@@ -52,6 +52,9 @@ class AttentionMetadata:
     # upper bound of context_lens that kernel grids are sized by; under CUDA graphs it is the
     # engine's max_model_len, so one captured launch serves every replay
     max_seq_len: int = 0
+    # sequence i's new tokens are all prompt positions (a prefill chunk, or what a prefix-cache
+    # hit left of a prompt); None: not known, every span is routed by its length alone
+    prompt_spans: list[bool] | None = None
     plan: object | None = None  # the backend's once-per-step precomputation (see prepare)
 
     @property

@@ -89,7 +89,12 @@ class CpuAttention:
         self._scratch = torch.empty(0)
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        if max(meta.query_lens) <= SHORT_SPAN:
+        # NOTE: with the prompt kernel, a prompt span takes it whatever its length, so a prompt
+        # row rounds alike in a whole prompt and in the few tokens a prefix-cache hit or a
+        # chunk leaves (batch_invariant); short spans of generated rows (decodes, speculative
+        # verifications) take the decode kernel, as a one-token step's row does
+        prompt = self.prompt_kernel and meta.prompt_spans is not None and any(meta.prompt_spans)
+        if max(meta.query_lens) <= SHORT_SPAN and not prompt:
             meta.plan = token_rows(meta)
         elif self.prompt_kernel:
             meta.plan = _span_plan(meta)
@@ -150,11 +155,13 @@ class CpuAttention:
 
 def _span_plan(meta: AttentionMetadata) -> _SpanPlan:
     starts = meta.query_start_loc.tolist()
-    short = [i for i, n in enumerate(meta.query_lens) if n <= SHORT_SPAN]
+    prompt = meta.prompt_spans or [False] * meta.num_seqs
+    by_kernel = [n > SHORT_SPAN or p for n, p in zip(meta.query_lens, prompt)]
+    short = [i for i, k in enumerate(by_kernel) if not k]
     spans = [
         (starts[i], starts[i] + n, meta.block_tables[i].contiguous(), ctx)
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens))
-        if n > SHORT_SPAN
+        if by_kernel[i]
     ]
     rows = [r for i in short for r in range(starts[i], starts[i] + meta.query_lens[i])]
     tables, lens = token_rows(meta, short)

@@ -172,6 +172,7 @@ class StepState:
         )
         ctx = [a + n for a, n in zip(starts, q_lens)]
         inputs = self._inputs(rows_t, starts_t, q_lens_t, ids_t, sampled_t, q_lens, ctx)
+        inputs.meta.prompt_spans = [s.start + s.num_new <= s.request.num_prompt for s in spans]
         if self.batch_invariant:
             inputs.roles, inputs.sampled_roles = self._roles(spans, sampled)
         return inputs

@@ -13,6 +13,7 @@ import torch
 
 from kvtransfer.outbox import Outbox
 from services.config import load_config
+from services.engine.cpu_backend import prompt_kernel_fits
 from services.engine.engine import Engine, resolve_batch_invariant
 from services.engine.precision import cpu_has_native_bf16
 from services.engine.quant import kernel_rows
@@ -98,6 +99,24 @@ def test_a_prefix_cache_hit_rounds_the_rest_of_the_prompt_as_a_miss_only_when_ba
     hit = _prompt_kv(engine, [0], [full])[0]  # its first two blocks from the cache
     assert engine.stats().prefix_hit_tokens == 32
     assert torch.equal(hit, miss) == invariant
+
+
+@pytest.mark.skipif(not prompt_kernel_fits(), reason="the prompt kernel runs on AVX-512")
+@pytest.mark.parametrize(("invariant", "dtype"), [m for m in MODES if m.values[0]])
+@pytest.mark.parametrize("rest", [1, 5, 8, 9])
+def test_a_prompt_s_short_rest_after_a_prefix_hit_rounds_as_in_the_whole_prompt(
+    invariant, dtype, rest
+):
+    """A prompt row attends through the prompt kernel whatever its span's length: the few
+    prompt tokens a prefix-cache hit leaves (a span as short as a decode's or a speculative
+    verification's, which take the decode kernel) round as they do inside the whole prompt."""
+    engine = _engine(invariant, "prefill", dtype)
+    base = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:32]
+    full = base + list(range(1000, 1000 + rest))
+    miss = _prompt_kv(engine, [0], [full])[0]
+    hit = _prompt_kv(engine, [0], [full])[0]  # its first two blocks from the cache
+    assert engine.stats().prefix_hit_tokens == 32
+    assert torch.equal(hit, miss)
 
 
 def _generate(
