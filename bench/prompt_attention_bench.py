@@ -84,7 +84,11 @@ def case(lib, ctx: int, n: int) -> dict[str, float]:  # type: ignore[no-untyped-
         )[0].transpose(0, 1)  # fmt: skip
 
     t_kernel_bf16 = _time(lambda: kernel(kh, vh), reps)
-    err_bf16 = float((out.double() - reference(kh, vh)).abs().max())
+    want_bf16 = reference(kh, vh)
+    err_bf16 = float((out.double() - want_bf16).abs().max())
+    err_sdpa_bf16 = float(
+        (sdpa(torch.bfloat16)[0].transpose(0, 1).double() - want_bf16).abs().max()
+    )
     kernel()
     want = reference(kc, vc)
     pairs = sum(min(ctx, ctx - n + i + 1) for i in range(n))
@@ -99,6 +103,7 @@ def case(lib, ctx: int, n: int) -> dict[str, float]:  # type: ignore[no-untyped-
         "kernel_bf16_cache_ms": t_kernel_bf16 * 1e3,
         "kernel_bf16_cache_gflops": flops / t_kernel_bf16 / 1e9,
         "kernel_bf16_cache_max_err": err_bf16,
+        "sdpa_bf16_max_err": err_sdpa_bf16,
         "sdpa_fp32_gflops": flops / t_fp32 / 1e9,
         "speedup_vs_fp32": t_fp32 / t_kernel,
         "kernel_max_err": float((out.double() - want).abs().max()),
@@ -116,7 +121,7 @@ def main() -> None:
         raise SystemExit(library.load_error())
     print(f"simd: {library.simd_level()}; ms per layer, one sequence")
     print("   ctx      n |  kernel  GFLOP/s | bf16 cache  GFLOP/s | SDPA fp32  GFLOP/s "
-          "| SDPA bf16 | kernel vs fp32 | max err kernel / bf16 cache / SDPA")  # fmt: skip
+          "| SDPA bf16 | kernel vs fp32 | max err kernel / bf16 cache / SDPA / SDPA bf16")  # fmt: skip
     rows = []
     for ctx, n in CASES:
         r = case(lib, ctx, n)
@@ -125,7 +130,8 @@ def main() -> None:
               f"| {r['kernel_bf16_cache_ms']:10.2f} {r['kernel_bf16_cache_gflops']:8.0f} "
               f"| {r['sdpa_fp32_ms']:8.2f} {r['sdpa_fp32_gflops']:8.0f}  | {r['sdpa_bf16_ms']:8.2f}  "
               f"| {r['speedup_vs_fp32']:13.2f}x | {r['kernel_max_err']:.1e} / "
-              f"{r['kernel_bf16_cache_max_err']:.1e} / {r['sdpa_fp32_max_err']:.1e}")  # fmt: skip
+              f"{r['kernel_bf16_cache_max_err']:.1e} / {r['sdpa_fp32_max_err']:.1e} / "
+              f"{r['sdpa_bf16_max_err']:.1e}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

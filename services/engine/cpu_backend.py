@@ -75,11 +75,12 @@ def prompt_kernel_fits() -> bool:
 
 class CpuAttention:
     """Decode kernel for steps made of short spans (decodes, speculative verifications);
-    for steps with a longer span the prompt kernel (AVX-512, ``prompt_dtype`` None) or else
-    the torch reference (SDPA). Measured on one Zen 4 core (SmolLM2: 9 heads, 3
+    for steps with a longer span or a prompt span the prompt kernel (AVX-512, ``prompt_dtype``
+    None) or else the torch reference (SDPA). Measured on one Zen 4 core (SmolLM2: 9 heads, 3
     KV heads, 64 dims; ``bench/prompt_attention_bench.py``): 1.9x SDPA's fp32 causal kernel
     at 256-512 tokens over an fp32 cache; over a bf16 cache (the default there) with
-    AVX512-BF16 its products are bf16 dot products, another 1.4-1.6x. With ``prompt_dtype`` bf16 (AMX hosts) SDPA's bf16 kernel stays."""
+    AVX512-BF16 its products are bf16 dot products, another 1.4-1.6x. With ``prompt_dtype``
+    bf16 (AMX hosts) SDPA's bf16 kernel stays."""
 
     def __init__(self, prompt_dtype: torch.dtype | None = None) -> None:
         self.lib = _lib()

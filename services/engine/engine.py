@@ -89,8 +89,9 @@ def resolve_batch_invariant(
     concurrent requests); off where they run in bf16 (on AMX generated rows would forgo the
     AMX GEMM at every batch: 2.9x fewer tokens/s at 32 concurrent, BENCHMARKS.md; on
     AVX512-BF16 without AMX the decode rows of up to 32 run the same kernels either way, not
-    re-measured as a default), where ``true`` still gives it. Elsewhere (GPU kernels pick tilings and reduction splits by batch
-    size) it is not implemented, and asking for it is an error rather than a promise not kept."""
+    re-measured as a default), where ``true`` still gives it. Elsewhere (GPU kernels pick
+    tilings and reduction splits by batch size) it is not implemented, and asking for it is an
+    error rather than a promise not kept."""
     if setting == "auto":
         return backend == "cpu" and matmul_dtype == torch.float32
     if setting and backend != "cpu":

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(library.load() is None, reason=str(library.load_
 # the native build's prompt kernel computes over a bf16 cache with bf16 dot products here
 BF16_PRODUCTS = "avx512_bf16" in library.cpu_flags().split()
 # ... whose error against float64 (unit-normal q, k, v; queries and weights rounded to bf16):
-# measured 1.5e-3 to 5e-3, where SDPA's bf16 kernel on the same values is 1.7e-3 to 1.2e-2
+# measured 1.5e-3 to 6.1e-3, where SDPA's bf16 kernel on the same values is 1.7e-3 to 1.2e-2
 BF16_PRODUCTS_TOL = 8e-3
 
 
