@@ -846,6 +846,36 @@ static inline void kv_row_f32(const uint8_t *restrict row, int D, int fmt, float
         for (int i = 0; i < D; i++) dst[i] = kv_value(row, i, D, KV_Q8);
 }
 
+#if defined(__AVX512F__)
+/* One query row's online-softmax step over a block of PA_KEYS scores (x0: keys k0 .. k0 + 15,
+ * x1: the next 16), positions outside [lo, pos] masked: 0 when the row sees none of them; else
+ * the running max *mr and sum *lr updated, the block's weights exp(x - max) in *e0 / *e1 and
+ * the factor the row's output so far is scaled by in *corr (both prompt kernels: one rounding) */
+static inline __attribute__((always_inline)) int softmax_block(
+    __m512 x0, __m512 x1, int k0, int pos, int lo, float *restrict mr, float *restrict lr,
+    __m512 *e0, __m512 *e1, float *corr) {
+    if (k0 + PA_KEYS - 1 > pos || k0 < lo) { /* a block the row sees in part */
+        const __m512i k = _mm512_add_epi32(_mm512_set1_epi32(k0),
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        const __m512i k16 = _mm512_add_epi32(k, _mm512_set1_epi32(16));
+        const __m512i pv = _mm512_set1_epi32(pos), lv = _mm512_set1_epi32(lo);
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        x0 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k, pv) & _mm512_cmpge_epi32_mask(k, lv), x0);
+        x1 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k16, pv) & _mm512_cmpge_epi32_mask(k16, lv), x1);
+    }
+    const float m = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+    if (m == -INFINITY) return 0; /* nothing to attend in this block */
+    const float m_new = m > *mr ? m : *mr;
+    *corr = *mr == -INFINITY ? 0.f : expf(*mr - m_new);
+    const __m512 mv = _mm512_set1_ps(m_new);
+    *e0 = exp512(_mm512_sub_ps(x0, mv));
+    *e1 = exp512(_mm512_sub_ps(x1, mv));
+    *lr = *lr * *corr + _mm512_reduce_add_ps(_mm512_add_ps(*e0, *e1));
+    *mr = m_new;
+    return 1;
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* The prompt kernel over a bf16 cache on CPUs with AVX512-BF16: the same tiles, blocks, masks
  * and online softmax, with both products as bf16 dot products (vdpbf16ps: pairs of bf16
@@ -919,25 +949,9 @@ static inline __attribute__((always_inline)) void prompt_attention_bf16(
                         const int lo = window > 0 ? pos - window + 1 : 0;
                         float *mr = mx + h * PA_ROWS + r, *lr = sum + h * PA_ROWS + r;
                         float *o = acc + ((int64_t)h * PA_ROWS + r) * D;
-                        __m512 x0 = s0[r], x1 = s1[r];
-                        if (k0 + PA_KEYS - 1 > pos || k0 < lo) { /* a block the row sees in part */
-                            const __m512i k = _mm512_add_epi32(_mm512_set1_epi32(k0),
-                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-                            const __m512i k16 = _mm512_add_epi32(k, _mm512_set1_epi32(16));
-                            const __m512i pv = _mm512_set1_epi32(pos), lv = _mm512_set1_epi32(lo);
-                            const __m512 ninf = _mm512_set1_ps(-INFINITY);
-                            x0 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k, pv) & _mm512_cmpge_epi32_mask(k, lv), x0);
-                            x1 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k16, pv) & _mm512_cmpge_epi32_mask(k16, lv), x1);
-                        }
-                        const float m = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-                        if (m == -INFINITY) continue; /* nothing to attend in this block */
-                        const float m_new = m > *mr ? m : *mr;
-                        const float corr = *mr == -INFINITY ? 0.f : expf(*mr - m_new);
-                        const __m512 mv = _mm512_set1_ps(m_new);
-                        const __m512 e0 = exp512(_mm512_sub_ps(x0, mv));
-                        const __m512 e1 = exp512(_mm512_sub_ps(x1, mv));
-                        *lr = *lr * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-                        *mr = m_new;
+                        __m512 e0, e1;
+                        float corr;
+                        if (!softmax_block(s0[r], s1[r], k0, pos, lo, mr, lr, &e0, &e1, &corr)) continue;
                         /* the 32 weights as 16 pairs of bf16 (keys 2j, 2j + 1) */
                         uint32_t w[16];
                         _mm512_storeu_si512(w, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -1065,26 +1079,13 @@ void pdserve_prompt_attention(const float *restrict q, const uint8_t *restrict k
                         float *srow = sc + r * PA_KEYS, *mr = mx + h * PA_ROWS + r;
                         float *lr = sum + h * PA_ROWS + r, *o = acc + ((int64_t)h * PA_ROWS + r) * D;
 #if defined(__AVX512F__)
-                        __m512 x0 = _mm512_loadu_ps(srow), x1 = _mm512_loadu_ps(srow + 16);
-                        if (k0 + PA_KEYS - 1 > pos || k0 < lo) { /* a block the row sees in part */
-                            const __m512i k = _mm512_add_epi32(_mm512_set1_epi32(k0),
-                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-                            const __m512i k16 = _mm512_add_epi32(k, _mm512_set1_epi32(16));
-                            const __m512i pv = _mm512_set1_epi32(pos), lv = _mm512_set1_epi32(lo);
-                            const __m512 ninf = _mm512_set1_ps(-INFINITY);
-                            x0 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k, pv) & _mm512_cmpge_epi32_mask(k, lv), x0);
-                            x1 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k16, pv) & _mm512_cmpge_epi32_mask(k16, lv), x1);
-                        }
-                        const float m = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-                        if (m == -INFINITY) continue; /* nothing to attend in this block */
-                        const float m_new = m > *mr ? m : *mr;
-                        const float corr = *mr == -INFINITY ? 0.f : expf(*mr - m_new);
-                        const __m512 mv = _mm512_set1_ps(m_new);
-                        const __m512 e0 = exp512(_mm512_sub_ps(x0, mv));
-                        const __m512 e1 = exp512(_mm512_sub_ps(x1, mv));
+                        __m512 e0, e1;
+                        float corr;
+                        if (!softmax_block(_mm512_loadu_ps(srow), _mm512_loadu_ps(srow + 16), k0, pos,
+                                           lo, mr, lr, &e0, &e1, &corr))
+                            continue;
                         _mm512_storeu_ps(srow, e0);
                         _mm512_storeu_ps(srow + 16, e1);
-                        const float l = _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
 #else
                         float m = -INFINITY;
                         for (int j = 0; j < PA_KEYS; j++) {
@@ -1097,9 +1098,9 @@ void pdserve_prompt_attention(const float *restrict q, const uint8_t *restrict k
                         const float corr = *mr == -INFINITY ? 0.f : expf(*mr - m_new);
                         float l = 0.f;
                         for (int j = 0; j < PA_KEYS; j++) { srow[j] = expf(srow[j] - m_new); l += srow[j]; }
-#endif
                         *lr = *lr * corr + l;
                         *mr = m_new;
+#endif
                         /* o = o * corr + p . V[block] */
 #if defined(__AVX512F__)
                         if (D == 64) { /* the common head size: the row's output in 4 registers */
