@@ -846,6 +846,28 @@ static inline void kv_row_f32(const uint8_t *restrict row, int D, int fmt, float
         for (int i = 0; i < D; i++) dst[i] = kv_value(row, i, D, KV_Q8);
 }
 
+/* A tile of query rows from t0 (both prompt kernels): how many (at most PA_ROWS), its last
+ * position, and the first key position any of its rows sees (the window's start, else 0) */
+static inline int prompt_tile(int t0, int n, int start, int window, int *last, int *first) {
+    const int rows = n - t0 < PA_ROWS ? n - t0 : PA_ROWS;
+    *last = start + t0 + rows - 1;
+    *first = window > 0 && start + t0 - window + 1 > 0 ? start + t0 - window + 1 : 0;
+    return rows;
+}
+
+/* A finished tile into out [n, H, D]: each row's accumulated output divided by its softmax
+ * sum (acc [G][PA_ROWS][D], sum [G][PA_ROWS]; the tile's heads are g * G .. g * G + G - 1) */
+static inline void prompt_tile_out(const float *restrict acc, const float *restrict sum, int rows,
+                                   int t0, int g, int G, int H, int D, float *restrict out) {
+    for (int h = 0; h < G; h++)
+        for (int r = 0; r < rows; r++) {
+            const float inv = 1.f / sum[h * PA_ROWS + r];
+            const float *o = acc + ((int64_t)h * PA_ROWS + r) * D;
+            float *dst = out + ((int64_t)(t0 + r) * H + g * G + h) * D;
+            for (int d = 0; d < D; d++) dst[d] = o[d] * inv;
+        }
+}
+
 #if defined(__AVX512F__)
 /* One query row's online-softmax step over a block of PA_KEYS scores (x0: keys k0 .. k0 + 15,
  * x1: the next 16), positions outside [lo, pos] masked: 0 when the row sees none of them; else
@@ -913,10 +935,8 @@ static inline __attribute__((always_inline)) void prompt_attention_bf16(
             }
         }
         for (int t0 = 0; t0 < n; t0 += PA_ROWS) {
-            const int rows = n - t0 < PA_ROWS ? n - t0 : PA_ROWS;
-            const int last = start + t0 + rows - 1;
-            int first = 0;
-            if (window > 0 && start + t0 - window + 1 > 0) first = start + t0 - window + 1;
+            int last, first;
+            const int rows = prompt_tile(t0, n, start, window, &last, &first);
             for (int h = 0; h < G; h++)
                 for (int r = 0; r < PA_ROWS; r++) {
                     uint32_t *qr = qs + ((int64_t)h * PA_ROWS + r) * P;
@@ -968,13 +988,7 @@ static inline __attribute__((always_inline)) void prompt_attention_bf16(
                     }
                 }
             }
-            for (int h = 0; h < G; h++)
-                for (int r = 0; r < rows; r++) {
-                    const float inv = 1.f / sum[h * PA_ROWS + r];
-                    const float *o = acc + ((int64_t)h * PA_ROWS + r) * D;
-                    float *dst = out + ((int64_t)(t0 + r) * H + g * G + h) * D;
-                    for (int d = 0; d < D; d++) dst[d] = o[d] * inv;
-                }
+            prompt_tile_out(acc, sum, rows, t0, g, G, H, D, out);
         }
     }
 }
@@ -1031,10 +1045,8 @@ void pdserve_prompt_attention(const float *restrict q, const uint8_t *restrict k
                 for (int j = 0; j < PA_KEYS; j++) kb[d * PA_KEYS + j] = rows_k[j] ? rows_k[j][d] : 0.f;
         }
         for (int t0 = 0; t0 < n; t0 += PA_ROWS) {
-            const int rows = n - t0 < PA_ROWS ? n - t0 : PA_ROWS;
-            const int last = start + t0 + rows - 1; /* the tile's last position */
-            int first = 0;
-            if (window > 0 && start + t0 - window + 1 > 0) first = start + t0 - window + 1;
+            int last, first;
+            const int rows = prompt_tile(t0, n, start, window, &last, &first);
             for (int h = 0; h < G; h++)
                 for (int r = 0; r < PA_ROWS; r++) {
                     float *qr = qs + ((int64_t)h * PA_ROWS + r) * D;
@@ -1145,13 +1157,7 @@ void pdserve_prompt_attention(const float *restrict q, const uint8_t *restrict k
                     }
                 }
             }
-            for (int h = 0; h < G; h++)
-                for (int r = 0; r < rows; r++) {
-                    const float inv = 1.f / sum[h * PA_ROWS + r];
-                    const float *o = acc + ((int64_t)h * PA_ROWS + r) * D;
-                    float *dst = out + ((int64_t)(t0 + r) * H + g * G + h) * D;
-                    for (int d = 0; d < D; d++) dst[d] = o[d] * inv;
-                }
+            prompt_tile_out(acc, sum, rows, t0, g, G, H, D, out);
         }
     }
 }
