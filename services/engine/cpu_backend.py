@@ -174,15 +174,24 @@ class CpuOps:
         self.lib = _lib()
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x fp32 or bf16 (a packed GEMM's kept result; residual then fp32); the output in
+        fp32 or ``out_dtype`` bf16, rounded once in the kernel."""
         x = x.contiguous()
         t, n = x.shape
-        out, res = torch.empty_like(x), torch.empty_like(x)
+        res = torch.empty((t, n), dtype=torch.float32)
+        out = torch.empty((t, n), dtype=out_dtype or torch.float32)
         r = 0 if residual is None else residual.contiguous().data_ptr()
         self.lib.pdserve_add_rms_norm(
-            x.data_ptr(), r, weight.data_ptr(), t, n, eps, out.data_ptr(), res.data_ptr()
-        )
+            x.data_ptr(), x.dtype == torch.bfloat16, r, weight.data_ptr(), t, n, eps,
+            out.data_ptr(), out.dtype == torch.bfloat16, res.data_ptr(),
+        )  # fmt: skip
         return out, res
 
     def rope_tables(

@@ -25,9 +25,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LayerOps(Protocol):
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (rms_norm(x + residual) * weight, x + residual); residual None means 0."""
+        """Returns (rms_norm(x + residual) * weight, x + residual); residual None means 0.
+        ``out_dtype``: the normed rows rounded to it (the dtype the next linear computes
+        in, ``LinearLayer.input_dtype``); None keeps the sum's dtype. ``x`` may be in a
+        narrower dtype than ``residual`` (a linear's ``keep`` result): the sum is in the
+        residual's."""
         ...
 
     def rope_tables(self, positions: torch.Tensor, rotary: Rotary) -> object:
@@ -56,11 +65,17 @@ class TorchOps:
     """Reference implementations (and the CPU path)."""
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
-            x = x + residual
-        return rms_norm(x, weight, eps), x
+            x = x + residual  # NOTE: a narrower x is promoted to the residual's dtype
+        out = rms_norm(x, weight, eps)
+        return (out if out_dtype is None else out.to(out_dtype)), x
 
     def rope_tables(
         self, positions: torch.Tensor, rotary: Rotary

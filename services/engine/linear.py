@@ -32,7 +32,14 @@ class LinearLayer(Protocol):
         self, x: torch.Tensor, roles: RowRoles | None = None, *, keep: bool = False
     ) -> torch.Tensor:
         """``keep``: where the packed GEMM runs, its result in the packed dtype (bf16 under
-        fp32 activations on AMX hosts) instead of ``x``'s; elsewhere ignored."""
+        fp32 activations on AMX hosts) instead of ``x``'s; elsewhere ignored. ``x`` may
+        come in ``input_dtype(rows, roles)`` instead of the activations' dtype."""
+        ...
+
+    def input_dtype(self, rows: int, roles: RowRoles | None) -> torch.dtype | None:
+        """The narrower dtype a call over ``rows`` rows rounds every input row to first (the
+        packed GEMM's bf16 under fp32 activations), or None: the caller may hand the rows
+        over already rounded (the same bits, one conversion pass less)."""
         ...
 
 
@@ -50,6 +57,7 @@ class Linear:
     ) -> None:
         # w: [out, in] as in HF checkpoints
         self.bias = bias
+        self.act_dtype = w.dtype  # the activations' (a dense model's weights are in its dtype)
         self.packed = packed_gemm(w, pack)
         self.in_features = w.shape[1]
         # NOTE: a copy in another dtype than the weights' is the only copy: every row packs
@@ -63,15 +71,28 @@ class Linear:
     def nbytes(self) -> int:
         return self._nbytes
 
+    def _packs(self, rows: int, roles: RowRoles | None) -> bool:
+        return self.packed is not None and (
+            roles is not None or self.w_t is None or rows >= PACKED_MIN_ROWS
+        )
+
+    def input_dtype(self, rows: int, roles: RowRoles | None) -> torch.dtype | None:
+        # NOTE: roles: not offered (AMX hosts slice invariant calls; kept simple)
+        if roles is None and self._packs(rows, roles):
+            assert self.packed is not None
+            return self.packed.dtype if self.packed.dtype != self.act_dtype else None
+        return None
+
     def __call__(
         self, x: torch.Tensor, roles: RowRoles | None = None, *, keep: bool = False
     ) -> torch.Tensor:
         # NOTE: with roles every row runs the packed GEMM: the plain product rounds rows
         # differently below 4 rows (MKL's matrix-vector path), oneDNN's does not
-        if self.packed is not None and (
-            roles is not None or self.w_t is None or x.shape[0] >= PACKED_MIN_ROWS
-        ):
-            return self.packed(x, self.bias, invariant=roles is not None, keep=keep)
+        if self._packs(x.shape[0], roles):
+            assert self.packed is not None
+            return self.packed(
+                x, self.bias, invariant=roles is not None, keep=keep, out_dtype=self.act_dtype
+            )
         assert self.w_t is not None
         return torch.addmm(self.bias, x, self.w_t) if self.bias is not None else x @ self.w_t
 

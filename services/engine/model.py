@@ -179,9 +179,10 @@ class LlamaModel:
         """down(silu(gate) * up). Where gate_up runs a bf16 packed GEMM (prompts on AMX hosts),
         its result stays bf16 through the activation into down's bf16 GEMM: the fp32 round trip
         of the widest activations (2 x intermediate, then intermediate) was the largest
-        conversion cost of a prompt. Without roles only: invariant rows keep fp32."""
+        conversion cost of a prompt; down's result stays bf16 too, into the next norm (which
+        widens it exactly). Without roles only: invariant rows keep fp32."""
         gate_up = lw.gate_up(h, roles, keep=roles is None)
-        return lw.down(ops.silu_and_mul(gate_up), roles).to(h.dtype)
+        return lw.down(ops.silu_and_mul(gate_up), roles, keep=roles is None)
 
     @torch.inference_mode()
     def forward(
@@ -209,8 +210,13 @@ class LlamaModel:
         residual: torch.Tensor | None = None
         rope = ops.rope_tables(positions, self.rotary)
         attention.prepare(meta)
+        # NOTE: where a linear rounds its input rows to bf16 (prompts over the packed GEMM),
+        # the norm before it writes them in bf16 and the linear after attention keeps its bf16
+        # result for the next norm: the same bits, two conversion passes fewer a norm
         for i, lw in enumerate(self.layers):
-            h, residual = ops.add_rms_norm(x, residual, lw.attn_norm, eps)
+            h, residual = ops.add_rms_norm(
+                x, residual, lw.attn_norm, eps, lw.qkv.input_dtype(n, roles)
+            )
             q, k, v = lw.qkv(h, roles).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q, k = ops.rope_and_cache(
                 q.view(n, cfg.num_heads, cfg.head_dim),
@@ -223,8 +229,11 @@ class LlamaModel:
             )
             if layer_hook is not None:
                 layer_hook(i, k, v.view(n, cfg.num_kv_heads, cfg.head_dim))
-            x = lw.o(attention.forward(q, cache, i, meta).reshape(n, self.q_size), roles)
-            h, residual = ops.add_rms_norm(x, residual, lw.mlp_norm, eps)
+            attn = attention.forward(q, cache, i, meta).reshape(n, self.q_size)
+            x = lw.o(attn, roles, keep=roles is None)
+            h, residual = ops.add_rms_norm(
+                x, residual, lw.mlp_norm, eps, lw.gate_up.input_dtype(n, roles)
+            )
             x = self._mlp(lw, h, roles, ops)
         assert residual is not None
         h, _ = ops.add_rms_norm(x[logits_idx], residual[logits_idx], self.norm, eps)

@@ -45,12 +45,20 @@ class PackedGemm:
         self.w = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
 
     def __call__(
-        self, x: torch.Tensor, bias: torch.Tensor | None, *, invariant: bool, keep: bool = False
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        invariant: bool,
+        keep: bool = False,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """``x @ w.T + bias`` in ``x``'s dtype, or (``keep``) in the packed dtype: a bf16
-        result that feeds another bf16 GEMM skips two conversions."""
+        """``x @ w.T + bias`` in ``out_dtype`` (None: ``x``'s), or (``keep``) in the packed
+        dtype: a bf16 result that feeds another bf16 GEMM skips two conversions. ``x`` may
+        come already rounded to the packed dtype (``out_dtype`` then the activations')."""
+        out_dtype = out_dtype or x.dtype
         sliced = invariant and self.dtype != torch.float32 and bf16_slices()
-        if x.dtype == self.dtype and not sliced:
+        if x.dtype == self.dtype == out_dtype and not sliced:
             return self._gemm(x, bias, whole=invariant)
         rows = x.shape[0]
         step = BF16_INVARIANT_ROWS if sliced else rows
@@ -60,7 +68,7 @@ class PackedGemm:
             for a in range(0, rows, max(step, 1))
         ]
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
-        y = y if keep else y.to(x.dtype)
+        y = y if keep else y.to(out_dtype)
         return y.add_(bias.to(y.dtype)) if bias is not None else y
 
     def _gemm(

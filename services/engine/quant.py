@@ -260,8 +260,14 @@ class QuantLinear:
             prompt = self._invariant_gemm if self.packed is not None else self._kernels
             return by_role(x, roles, prompt, self._kernels)
         if self.packed is not None and x.shape[0] > self.kernel_rows:
-            return self.packed(x, self.bias, invariant=False, keep=keep)
+            return self.packed(x, self.bias, invariant=False, keep=keep, out_dtype=torch.float32)
         return self._kernels(x)
+
+    def input_dtype(self, rows: int, roles: RowRoles | None) -> torch.dtype | None:
+        """See ``LinearLayer.input_dtype``: the packed GEMM's dtype where it takes the call."""
+        if roles is None and self.packed is not None and rows > self.kernel_rows:
+            return self.packed.dtype if self.packed.dtype != torch.float32 else None
+        return None
 
     def _invariant_gemm(self, x: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None

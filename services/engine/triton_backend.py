@@ -55,9 +55,16 @@ class TritonAttention:
 
 class TritonOps:
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused_add_rms_norm(x, residual, weight, eps)
+        # NOTE: no packed GEMM on this backend's devices: out_dtype is None, x in one dtype
+        out, res = fused_add_rms_norm(x, residual, weight, eps)
+        return (out if out_dtype is None else out.to(out_dtype)), res
 
     def rope_tables(
         self, positions: torch.Tensor, rotary: Rotary

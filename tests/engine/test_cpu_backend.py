@@ -42,6 +42,43 @@ def test_add_rms_norm(cpu, with_residual):
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
 
 
+def test_add_rms_norm_takes_and_gives_bf16_rows_with_the_same_bits_on_every_simd_path():
+    """A packed bf16 GEMM's kept result in (widened exactly) and the next GEMM's bf16 input out
+    (rounded once, to nearest even): bit-equal to converting around the fp32 norm, which is
+    what a prompt's linears did before; and every build (AVX-512's 16-lane loop, AVX2's 8,
+    portable C) sums the squares in the same order. 1,000 columns: past the 16-lane loop's
+    last full vector, and a tail under 8."""
+    from services.engine.cpu_backend import CpuOps
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 1003, generator=g) * 4
+    x[1, 7] = float("inf")  # a row whose output is NaN: stays NaN in bf16
+    res, w = torch.randn(6, 1003, generator=g), torch.randn(1003, generator=g)
+    xb = x.bfloat16()
+    results = {}
+    for name, lib in {"native": library.load(), **narrower_kernel_builds()}.items():
+        ops = CpuOps()
+        ops.lib = lib
+        out, summed = ops.add_rms_norm(xb, res, w, 1e-5, torch.bfloat16)
+        ref, ref_sum = ops.add_rms_norm(xb.float(), res, w, 1e-5)
+        assert out.dtype == torch.bfloat16 and summed.dtype == torch.float32
+        assert torch.equal(summed, ref_sum), name
+        assert torch.equal(out.view(torch.int16)[0], ref.bfloat16().view(torch.int16)[0]), name
+        torch.testing.assert_close(out, ref.bfloat16(), rtol=0, atol=0, equal_nan=True)
+        first, _ = ops.add_rms_norm(x, None, w, 1e-5, torch.bfloat16)  # no residual, fp32 in
+        torch.testing.assert_close(
+            first, ops.add_rms_norm(x, None, w, 1e-5)[0].bfloat16(), rtol=0, atol=0, equal_nan=True
+        )
+        results[name] = ops.add_rms_norm(x, res, w, 1e-5), (out, summed)
+    for name, (fp32, bf16) in results.items():
+        for got, want in zip(fp32 + bf16, results["native"][0] + results["native"][1]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=name)
+    # the torch reference: bf16 x promoted to the residual's fp32, the normed rows rounded once
+    out, summed = TorchOps().add_rms_norm(xb, res, w, 1e-5, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(summed, results["native"][1][1])
+    torch.testing.assert_close(out[2:], results["native"][1][0][2:], rtol=8e-3, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv_dtype,dim", [("float32", 16), ("int8", 64), ("bfloat16", 16)])
 def test_rope_and_cache(cpu, kv_dtype, dim):
     """Same bytes in the cache: for int8 the C quantizer rounds exactly as kv_quant does, for
@@ -138,15 +175,12 @@ def test_decode_attention_matches_reference(cpu, window, block_size, kv_dtype, d
      ("float32", 48, 4, 2), ("float32", 24, 4, 2), ("bfloat16", 64, 9, 3),
      ("bfloat16", 128, 8, 2), ("bfloat16", 24, 4, 2)],
 )  # fmt: skip
-def test_decode_attention_matches_reference_on_every_simd_path(
-    kv_dtype, dim, heads, kv_heads, tmp_path, monkeypatch
-):
+def test_decode_attention_matches_reference_on_every_simd_path(kv_dtype, dim, heads, kv_heads):
     """Every build (this CPU's: 16 lanes where it has AVX-512; AVX2; portable C) and head
     grouping (3, 4 and 12 query heads per KV head: 12 is past the 16-lane path's limit; 24
     dims: not a multiple of 16) against the torch reference, contexts across 16-key blocks."""
     from services.engine.cpu_backend import CpuAttention
 
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     cache, spans = _decode_case(16, kv_dtype, dim, kv_heads, (1, 15, 16, 31, 33, 257))
     q = torch.randn(len(spans), heads, dim)
     want = _attend(TorchAttention(), q, cache, spans, 16, None)
@@ -204,16 +238,13 @@ def _sdpa64(cache, table, q, ctx, window=0):  # type: ignore[no-untyped-def]
     [(37, 37, 0, 16, 64), (300, 300, 0, 16, 64), (333, 41, 0, 4, 64), (300, 300, 100, 16, 64),
      (130, 20, 9, 1, 64), (200, 200, 0, 16, 32), (70, 70, 0, 8, 40)],
 )  # fmt: skip
-def test_prompt_attention_matches_float64_on_every_simd_path(
-    ctx, n, window, block_size, dim, tmp_path, monkeypatch
-):
+def test_prompt_attention_matches_float64_on_every_simd_path(ctx, n, window, block_size, dim):
     """The prompt kernel on this CPU's build and on the narrower builds (AVX2, portable C):
     causal (and windowed) attention of a span after a cached prefix, read through a shuffled
     block table, within fp32 rounding of float64."""
     cache, table = _prompt_case(block_size, dim, ctx)
     q = torch.randn(n, 9, dim)
     want = _sdpa64(cache, table, q, ctx, window)
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     libs = {"native": library.load()}
     if ctx == 300 and window == 0:  # one case is enough to check the other builds
         libs.update(narrower_kernel_builds())
@@ -228,7 +259,7 @@ def test_prompt_attention_matches_float64_on_every_simd_path(
     "ctx,n,window,dim", [(150, 100, 0, 64), (333, 41, 0, 64), (90, 90, 20, 32)]
 )
 def test_prompt_attention_reads_bf16_and_int8_caches_on_every_simd_path(
-    kv_dtype, ctx, n, window, dim, tmp_path, monkeypatch
+    kv_dtype, ctx, n, window, dim
 ):
     """Rows of a bf16 or int8 cache widened to fp32 as they are gathered: the same attention
     as over those values in float64, on every build; over a bf16 cache on an AVX512-BF16 CPU
@@ -236,7 +267,6 @@ def test_prompt_attention_reads_bf16_and_int8_caches_on_every_simd_path(
     cache, table = _prompt_case(16, dim, ctx, kv_dtype=kv_dtype)
     q = torch.randn(n, 9, dim)
     want = _sdpa64(cache, table, q, ctx, window)
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     for name, lib in {"native": library.load(), **narrower_kernel_builds()}.items():
         err = float((_run_prompt(lib, cache, table, q, ctx, window).double() - want).abs().max())
         products = name == "native" and kv_dtype == "bfloat16" and BF16_PRODUCTS

@@ -120,3 +120,29 @@ def test_keep_returns_the_bf16_result_itself():
     assert gemm(x, None, invariant=False).dtype == torch.float32
     lin = QuantLinear(QuantWeight.from_float(w, "q8"), None, torch.bfloat16)
     assert lin(x, keep=True).dtype == torch.bfloat16 and lin(x[:2], keep=True).dtype == x.dtype
+
+
+@NATIVE
+@pytest.mark.parametrize("quantized", [False, True])
+def test_rows_handed_over_in_the_input_dtype_give_the_same_bits(quantized):
+    """What a prompt's norms do (``LinearLayer.input_dtype``): rows already rounded to the
+    packed GEMM's bf16 give exactly the result of fp32 rows, in the activations' fp32, the bias
+    added as before; where a call would not round its input (the kernels' batch sizes, an fp32
+    copy, roles) the layer says None, so nothing is rounded for it."""
+    from services.engine.row_roles import RowRoles
+
+    x, w = _data(rows=40)
+    bias = torch.randn(w.shape[0])
+    if quantized:
+        q = QuantWeight.from_float(w, "q4")
+        lin, fp32 = QuantLinear(q, bias, torch.bfloat16), QuantLinear(q, bias, torch.float32)
+    else:
+        lin, fp32 = Linear(w, bias, torch.bfloat16), Linear(w, bias, torch.float32)
+    assert lin.input_dtype(40, None) == torch.bfloat16
+    got = lin(x.bfloat16())
+    assert got.dtype == torch.float32 and torch.equal(got, lin(x))
+    assert torch.equal(lin(x.bfloat16(), keep=True), lin(x, keep=True))
+    assert fp32.input_dtype(40, None) is None
+    assert lin.input_dtype(40, RowRoles.of([False] * 40, "cpu")) is None
+    if quantized:  # the kernels' batch sizes compute on the fp32 rows
+        assert isinstance(lin, QuantLinear) and lin.input_dtype(lin.kernel_rows, None) is None

@@ -43,7 +43,7 @@
 #define MAX_ROWS 32 /* rows of x per pass over the weights (callers split larger batches) */
 #define MAX_GROUPS 512 /* K <= 16384 */
 
-int pdserve_kernels_abi(void) { return 14; }
+int pdserve_kernels_abi(void) { return 15; }
 
 /* KV cache row formats (services/engine/kv_quant.py: FORMAT_CODES): a (position, kv head) row
  * of D values is D fp32, D bf16 (the top halves of fp32s, rounded to nearest even), or D int8
@@ -310,30 +310,92 @@ void pdserve_q8_gemm(const float *restrict x, int M, int K, const int8_t *restri
  * Same op order as the torch reference (services/engine/layer_ops.py); built with
  * -ffp-contract=off so a * b + c rounds twice, as torch's separate kernels do. */
 
-/* res_out = x + residual (x when residual is NULL); out = w * (r / sqrt(mean(r^2) + eps)) */
-void pdserve_add_rms_norm(const float *restrict x, const float *restrict residual,
-                          const float *restrict w, int T, int N, float eps,
-                          float *restrict out, float *restrict res_out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* 16 bf16 values widened to fp32 (exact) */
+static inline __m512 widen_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 16 fp32 values rounded to bf16 as f32_to_bf16 does (nearest even; a NaN stays a NaN) */
+static inline void store_bf16x16(uint16_t *p, __m512 y) {
+    const __m512i yi = _mm512_castps_si512(y);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(yi, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(yi, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
+/* res_out = x + residual (x when residual is NULL); out = w * (r / sqrt(mean(r^2) + eps)).
+ * x: fp32 rows, or bf16 (x_bf16: a packed bf16 GEMM's result, widened exactly); out: fp32,
+ * or bf16 (out_bf16: rounded once, the input the next bf16 GEMM would round it to), so a
+ * prompt's activations skip a conversion pass on each side of the norm. res_out is fp32.
+ * The sum of squares runs in 8 lanes (lane l takes the values at l mod 8, in order), then the
+ * tail, then the lanes 0..7: the same order on every build, so the same bits. */
+void pdserve_add_rms_norm(const void *restrict xv, int x_bf16, const float *restrict residual,
+                          const float *restrict w, int T, int N, float eps, void *restrict outv,
+                          int out_bf16, float *restrict res_out) {
     for (int t = 0; t < T; t++) {
-        const float *xr = x + (int64_t)t * N;
-        float *rr = res_out + (int64_t)t * N, *o = out + (int64_t)t * N;
+        const int64_t base = (int64_t)t * N;
+        const float *xf = (const float *)xv + base;
+        const uint16_t *xh = (const uint16_t *)xv + base;
+        const float *rs = residual ? residual + base : NULL;
+        float *rr = res_out + base;
         float acc[8] = {0};
         int i = 0;
+#if defined(__AVX2__)
+        __m256 a8 = _mm256_setzero_ps();
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+        for (; i + 16 <= N; i += 16) {
+            __m512 r = x_bf16 ? widen_bf16x16(xh + i) : _mm512_loadu_ps(xf + i);
+            if (rs) r = _mm512_add_ps(r, _mm512_loadu_ps(rs + i));
+            _mm512_storeu_ps(rr + i, r);
+            const __m512 sq = _mm512_mul_ps(r, r);
+            a8 = _mm256_add_ps(a8, _mm512_castps512_ps256(sq));
+            a8 = _mm256_add_ps(a8, _mm512_extractf32x8_ps(sq, 1));
+        }
+#endif
+        for (; i + 8 <= N; i += 8) {
+            __m256 r = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                    _mm_loadu_si128((const __m128i *)(xh + i))), 16))
+                              : _mm256_loadu_ps(xf + i);
+            if (rs) r = _mm256_add_ps(r, _mm256_loadu_ps(rs + i));
+            _mm256_storeu_ps(rr + i, r);
+            a8 = _mm256_add_ps(a8, _mm256_mul_ps(r, r));
+        }
+        _mm256_storeu_ps(acc, a8);
+#endif
         for (; i + 8 <= N; i += 8)
             for (int l = 0; l < 8; l++) {
-                const float r = residual ? xr[i + l] + residual[(int64_t)t * N + i + l] : xr[i + l];
+                const float x = x_bf16 ? bf16_to_f32(xh[i + l]) : xf[i + l];
+                const float r = rs ? x + rs[i + l] : x;
                 rr[i + l] = r;
                 acc[l] += r * r;
             }
         float ss = 0.f;
         for (; i < N; i++) {
-            const float r = residual ? xr[i] + residual[(int64_t)t * N + i] : xr[i];
+            const float x = x_bf16 ? bf16_to_f32(xh[i]) : xf[i];
+            const float r = rs ? x + rs[i] : x;
             rr[i] = r;
             ss += r * r;
         }
         for (int l = 0; l < 8; l++) ss += acc[l];
         const float inv = 1.f / sqrtf(ss / (float)N + eps);
-        for (i = 0; i < N; i++) o[i] = w[i] * (rr[i] * inv);
+        float *of = (float *)outv + base;
+        uint16_t *oh = (uint16_t *)outv + base;
+        i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 iv = _mm512_set1_ps(inv);
+        for (; i + 16 <= N; i += 16) {
+            const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(rr + i), iv));
+            if (out_bf16) store_bf16x16(oh + i, y); else _mm512_storeu_ps(of + i, y);
+        }
+#endif
+        for (; i < N; i++) {
+            const float y = w[i] * (rr[i] * inv);
+            if (out_bf16) oh[i] = f32_to_bf16(y); else of[i] = y;
+        }
     }
 }
 
@@ -513,21 +575,10 @@ void pdserve_silu_and_mul_bf16(const uint16_t *restrict gu, int T, int I, uint16
         int i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         for (; i + 16 <= I; i += 16) {
-            const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i))), 16));
-            const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(u + i))), 16));
+            const __m512 gv = widen_bf16x16(g + i), uv = widen_bf16x16(u + i);
             const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv),
                                                   _mm512_set1_ps(88.3f)));
-            const __m512 y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), uv);
-            /* round to nearest even; a NaN (from a NaN input) stays a NaN */
-            const __m512i yi = _mm512_castps_si512(y);
-            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(yi, 16), _mm512_set1_epi32(1));
-            __m512i r = _mm512_srli_epi32(
-                _mm512_add_epi32(_mm512_add_epi32(yi, _mm512_set1_epi32(0x7fff)), lsb), 16);
-            const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-            r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-            _mm256_storeu_si256((__m256i *)(o + i), _mm512_cvtepi32_epi16(r));
+            store_bf16x16(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), uv));
         }
 #endif
         for (; i < I; i++) {
@@ -1216,7 +1267,7 @@ void pdserve_decode_step(const pd_model *m, int B, float *restrict x,
     for (int i = 0; i < m->num_layers; i++) {
         const pd_layer *L = m->layers + i;
         /* h, residual = add_rms_norm(x, residual): residual is None at layer 0 */
-        pdserve_add_rms_norm(x, i ? res : NULL, L->attn_norm, B, h, m->eps, hn, res2);
+        pdserve_add_rms_norm(x, 0, i ? res : NULL, L->attn_norm, B, h, m->eps, hn, 0, res2);
         float *t = res; res = res2; res2 = t;
         pd_apply(&L->qkv, hn, B, qkv);
         rope_and_cache(qkv, qkv_n, qkv + H * D, qkv_n, qkv + (H + KVH) * D, qkv_n, B, H, KVH, D,
@@ -1227,13 +1278,13 @@ void pdserve_decode_step(const pd_model *m, int B, float *restrict x,
         decode_attention(q, L->k_cache, L->v_cache, m->num_slots, m->kv_format, tables, table_stride,
                          seq_lens, B, H, KVH, D, m->block_size, m->window, scale, att, scores);
         pd_apply(&L->o, att, B, y);
-        pdserve_add_rms_norm(y, res, L->mlp_norm, B, h, m->eps, hn, res2);
+        pdserve_add_rms_norm(y, 0, res, L->mlp_norm, B, h, m->eps, hn, 0, res2);
         t = res; res = res2; res2 = t;
         pd_apply(&L->gate_up, hn, B, gu);
         pdserve_silu_and_mul(gu, B, m->inter, act);
         pd_apply(&L->down, act, B, x);
     }
-    pdserve_add_rms_norm(x, res, m->final_norm, B, h, m->eps, out, res2);
+    pdserve_add_rms_norm(x, 0, res, m->final_norm, B, h, m->eps, out, 0, res2);
 }
 
 /* ---- KV import: a request's blocks from the handoff layout into the paged cache --------

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from services import env
 
-ABI = 14
+ABI = 15
 _SOURCE = Path(__file__).with_name("kernels.c")
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
@@ -30,7 +30,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdserve_kernels_simd": [],
     "pdserve_q4_gemm": [_P, _I, _I, _P, _P, _P, _I, _P],
     "pdserve_q8_gemm": [_P, _I, _I, _P, _P, _I, _P],
-    "pdserve_add_rms_norm": [_P, _P, _P, _I, _I, _F, _P, _P],
+    "pdserve_add_rms_norm": [_P, _I, _P, _P, _I, _I, _F, _P, _I, _P],
     "pdserve_rope_and_cache": [_P, _L, _P, _L, _P, _L, _I, _I, _I, _I]
     + [_P, _P, _P, _P, _P, _L, _P, _I],
     "pdserve_silu_and_mul": [_P, _I, _I, _P],
@@ -64,12 +64,13 @@ def cpu_flags() -> str:
         return platform.processor()
 
 
-def _build(cc: str, flags: tuple[str, ...] = ()) -> Path:
-    """``flags``: extra compiler flags (tests build the narrower SIMD paths with them)."""
+def _build(cc: str, flags: tuple[str, ...] = (), root: Path | None = None) -> Path:
+    """``flags``: extra compiler flags (tests build the narrower SIMD paths with them, under
+    a ``root`` of their own; None: ``PDSERVE_CACHE_DIR``)."""
     src = _SOURCE.read_bytes()
     key = hashlib.sha256(src + cc.encode() + cpu_flags().encode() + " ".join(flags).encode())
     key = key.hexdigest()[:16]
-    out = Path(env.CACHE_DIR.get()) / "kernels" / f"pdserve_kernels-{key}.so"
+    out = (root or Path(env.CACHE_DIR.get())) / "kernels" / f"pdserve_kernels-{key}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
