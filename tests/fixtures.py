@@ -3,9 +3,13 @@ and a teardown that checks every engine's block accounting is back to idle."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import functools
 import ipaddress
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -374,13 +378,16 @@ def prefill_for_handoff(engine: Engine, rid: str, prompt: list[int], params: Any
     return outs, handle
 
 
+@functools.cache
 def narrower_kernel_builds() -> dict[str, Any]:
     """pdserve's C kernels built for narrower SIMD paths than this CPU's: ``avx2`` (no
     AVX-512) and ``portable`` (no AVX2 / FMA either), each checked to report its level (an
-    AVX2 build on a host without AVX2 is portable). Builds under ``PDSERVE_CACHE_DIR``: point
-    it at a scratch folder first."""
+    AVX2 build on a host without AVX2 is portable). Built once per test process (about 3 s
+    each; some 27 tests use them), in a scratch folder removed at exit."""
     from services.engine.cpu_kernels import library
 
+    root = Path(tempfile.mkdtemp(prefix="pdserve-kernels-"))
+    atexit.register(shutil.rmtree, root, True)
     cc = library.compiler()
     assert cc is not None
     has_avx2 = library.simd_level() != "portable"
@@ -390,7 +397,7 @@ def narrower_kernel_builds() -> dict[str, Any]:
     }
     libs = {}
     for name, (flags, level) in narrower.items():
-        lib = library.bind(library._build(cc, flags))
+        lib = library.bind(library._build(cc, flags, root))
         assert lib.pdserve_kernels_simd() == level, name
         libs[name] = lib
     return libs
