@@ -1015,27 +1015,52 @@ static inline __attribute__((always_inline)) void prompt_attention_bf16(
                             s1[r] = _mm512_dpbf16_ps(s1[r], b, x);
                         }
                     }
+                    /* each row's weights first (the 32 as 16 pairs of bf16: keys 2j, 2j + 1),
+                     * then the value products two rows at a time: each row's sums in the same
+                     * order as alone, twice the independent chains, each value load used twice */
+                    uint32_t w[PA_ROWS][16];
+                    float corr[PA_ROWS];
+                    int live[PA_ROWS + 1], nlive = 0;
                     for (int r = 0; r < rows; r++) {
                         const int pos = start + t0 + r;
                         const int lo = window > 0 ? pos - window + 1 : 0;
                         float *mr = mx + h * PA_ROWS + r, *lr = sum + h * PA_ROWS + r;
-                        float *o = acc + ((int64_t)h * PA_ROWS + r) * D;
                         __m512 e0, e1;
-                        float corr;
-                        if (!softmax_block(s0[r], s1[r], k0, pos, lo, mr, lr, &e0, &e1, &corr)) continue;
-                        /* the 32 weights as 16 pairs of bf16 (keys 2j, 2j + 1) */
-                        uint32_t w[16];
-                        _mm512_storeu_si512(w, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-                        __m512 ov[16];
-                        const __m512 cv = _mm512_set1_ps(corr);
-                        for (int c = 0; c < C; c++) ov[c] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), cv);
-                        const uint32_t *vr = vv + (int64_t)k0 / 2 * D;
-                        for (int j = 0; j < 16; j++, vr += D) {
-                            const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)w[j]);
-                            for (int c = 0; c < C; c++)
-                                ov[c] = _mm512_dpbf16_ps(ov[c], (__m512bh)_mm512_loadu_si512(vr + 16 * c), pj);
+                        if (!softmax_block(s0[r], s1[r], k0, pos, lo, mr, lr, &e0, &e1, &corr[r])) continue;
+                        _mm512_storeu_si512(w[r], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+                        live[nlive++] = r;
+                    }
+                    const uint32_t *vb = vv + (int64_t)k0 / 2 * D;
+                    for (int i = 0; i < nlive; i += 2) {
+                        const int ra = live[i], rb = i + 1 < nlive ? live[i + 1] : -1;
+                        float *oa = acc + ((int64_t)h * PA_ROWS + ra) * D;
+                        float *ob = rb >= 0 ? acc + ((int64_t)h * PA_ROWS + rb) * D : NULL;
+                        __m512 va[16], vb2[16];
+                        const __m512 ca = _mm512_set1_ps(corr[ra]), cb = _mm512_set1_ps(rb >= 0 ? corr[rb] : 0.f);
+                        for (int c = 0; c < C; c++) {
+                            va[c] = _mm512_mul_ps(_mm512_loadu_ps(oa + 16 * c), ca);
+                            vb2[c] = ob ? _mm512_mul_ps(_mm512_loadu_ps(ob + 16 * c), cb) : _mm512_setzero_ps();
                         }
-                        for (int c = 0; c < C; c++) _mm512_storeu_ps(o + 16 * c, ov[c]);
+                        const uint32_t *vr = vb;
+                        if (ob) {
+                            for (int j = 0; j < 16; j++, vr += D) {
+                                const __m512bh pa = (__m512bh)_mm512_set1_epi32((int)w[ra][j]);
+                                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)w[rb][j]);
+                                for (int c = 0; c < C; c++) {
+                                    const __m512bh v = (__m512bh)_mm512_loadu_si512(vr + 16 * c);
+                                    va[c] = _mm512_dpbf16_ps(va[c], v, pa);
+                                    vb2[c] = _mm512_dpbf16_ps(vb2[c], v, pb);
+                                }
+                            }
+                            for (int c = 0; c < C; c++) _mm512_storeu_ps(ob + 16 * c, vb2[c]);
+                        } else {
+                            for (int j = 0; j < 16; j++, vr += D) {
+                                const __m512bh pa = (__m512bh)_mm512_set1_epi32((int)w[ra][j]);
+                                for (int c = 0; c < C; c++)
+                                    va[c] = _mm512_dpbf16_ps(va[c], (__m512bh)_mm512_loadu_si512(vr + 16 * c), pa);
+                            }
+                        }
+                        for (int c = 0; c < C; c++) _mm512_storeu_ps(oa + 16 * c, va[c]);
                     }
                 }
             }
