@@ -77,7 +77,8 @@ class Linear:
         )
 
     def input_dtype(self, rows: int, roles: RowRoles | None) -> torch.dtype | None:
-        # NOTE: roles: not offered (AMX hosts slice invariant calls; kept simple)
+        # NOTE: never with roles (batch_invariant): a quantized layer's generated rows read
+        # fp32 rows there, and one rule for every layer keeps the model's side simple
         if roles is None and self._packs(rows, roles):
             assert self.packed is not None
             return self.packed.dtype if self.packed.dtype != self.act_dtype else None
