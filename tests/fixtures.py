@@ -171,12 +171,40 @@ def hf_greedy(
     return out[0, len(prompt) :].tolist()
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A loopback port free now, below the kernel's ephemeral range, and never the same twice in
+    one test process. A Ray cluster opens many sockets whose ports come from that range (servers
+    on port 0, the local ends of outgoing connections), so a port taken from it could be gone
+    by the time a server binds it (seen in CI: a gateway's gRPC port, between the test choosing
+    it and the server starting)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(500):
+        port = rng.randrange(max(1024, low - 12000), low) if low > 3072 else 0
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def start_redis(
