@@ -75,7 +75,7 @@ class TorchOps:
         if residual is not None:
             x = x + residual  # NOTE: a narrower x is promoted to the residual's dtype
         out = rms_norm(x, weight, eps)
-        return (out if out_dtype is None else out.to(out_dtype)), x
+        return out.to(out_dtype or out.dtype), x
 
     def rope_tables(
         self, positions: torch.Tensor, rotary: Rotary

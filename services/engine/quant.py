@@ -264,10 +264,11 @@ class QuantLinear:
         return self._kernels(x)
 
     def input_dtype(self, rows: int, roles: RowRoles | None) -> torch.dtype | None:
-        """See ``LinearLayer.input_dtype``: the packed GEMM's dtype where it takes the call."""
-        if roles is None and self.packed is not None and rows > self.kernel_rows:
-            return self.packed.dtype if self.packed.dtype != torch.float32 else None
-        return None
+        """See ``LinearLayer.input_dtype``: the packed GEMM's dtype where ``__call__`` (by
+        size) gives it the call."""
+        if roles is not None or self.packed is None or rows <= self.kernel_rows:
+            return None
+        return self.packed.dtype if self.packed.dtype != torch.float32 else None
 
     def _invariant_gemm(self, x: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None

@@ -64,7 +64,7 @@ class TritonOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # NOTE: no packed GEMM on this backend's devices: out_dtype is None, x in one dtype
         out, res = fused_add_rms_norm(x, residual, weight, eps)
-        return (out if out_dtype is None else out.to(out_dtype)), res
+        return out.to(out_dtype or out.dtype), res
 
     def rope_tables(
         self, positions: torch.Tensor, rotary: Rotary
