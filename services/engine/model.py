@@ -23,6 +23,7 @@ from services.engine.linear import LinearLayer, Weight, fuse, make_linear
 from services.engine.quant import QuantWeight
 from services.engine.rope import Rotary
 from services.engine.row_roles import RowRoles
+from services.engine.step_state import TailRows
 
 # (layer, keys, values) of the step's tokens, called once the layer's KV is in the cache
 LayerHook = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -196,6 +197,7 @@ class LlamaModel:
         layer_hook: LayerHook | None = None,
         roles: RowRoles | None = None,  # of the rows; None: kernels by batch size
         sampled_roles: RowRoles | None = None,  # of the rows logits_idx names
+        tail: TailRows | None = None,  # the rows the last layer computes past its KV
     ) -> torch.Tensor:
         """Returns fp32 logits [num_sampled, vocab]. ``layer_hook(i, k, v)`` runs right after
         layer i's keys and values ([num_tokens, kv_heads, head_dim]) are in the cache.
@@ -213,6 +215,7 @@ class LlamaModel:
         # NOTE: where a linear rounds its input rows to bf16 (prompts over the packed GEMM),
         # the norm before it writes them in bf16 and the linear after attention keeps its bf16
         # result for the next norm: the same bits, two conversion passes fewer a norm
+        last = len(self.layers) - 1
         for i, lw in enumerate(self.layers):
             h, residual = ops.add_rms_norm(
                 x, residual, lw.attn_norm, eps, lw.qkv.input_dtype(n, roles)
@@ -229,6 +232,13 @@ class LlamaModel:
             )
             if layer_hook is not None:
                 layer_hook(i, k, v.view(n, cfg.num_kv_heads, cfg.head_dim))
+            if i == last and tail is not None:
+                if tail.rows.shape[0] == 0:  # no logits due: the keys and values were all
+                    return torch.empty((0, cfg.vocab_size), device=x.device)
+                q, residual = q.index_select(0, tail.rows), residual.index_select(0, tail.rows)
+                n, meta, roles = tail.rows.shape[0], tail.meta, tail.roles
+                logits_idx = tail.logits_idx
+                attention.prepare(meta)
             attn = attention.forward(q, cache, i, meta).reshape(n, self.q_size)
             x = lw.o(attn, roles, keep=roles is None)
             h, residual = ops.add_rms_norm(

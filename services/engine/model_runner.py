@@ -75,4 +75,5 @@ class ModelRunner:
             layer_hook,
             inp.roles,
             inp.sampled_roles,
+            inp.tail,
         )

@@ -37,6 +37,22 @@ class _Row:
 
 
 @dataclass(slots=True)
+class TailRows:
+    """The rows a step's last layer computes past its keys and values: each span's rows from
+    its first one whose logits are needed (sampled or scoring a prompt token) to its end.
+
+    Every row's keys and values are needed in every layer (they go to the cache), but a row's
+    output of the last layer feeds only its own logits: a prompt chunk of 1,024 rows that
+    samples 4 needs the last layer's attention, o-projection and MLP for those 4 alone.
+    Invariant: ``rows`` holds every row ``logits_idx`` of the step names, in step order."""
+
+    rows: torch.Tensor  # [m] int64: the step's rows kept, in order
+    meta: AttentionMetadata  # the kept rows' spans (their last ``m_i`` query rows)
+    logits_idx: torch.Tensor  # [num_logits] int64: the step's logits rows, as tail rows
+    roles: RowRoles | None = None  # of the kept rows (batch_invariant); None: by size
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
@@ -46,6 +62,7 @@ class StepInputs:
     # the rows logits_idx names; None: kernels chosen by batch size
     roles: RowRoles | None = None
     sampled_roles: RowRoles | None = None
+    tail: TailRows | None = None  # None: the last layer computes every row
 
 
 class BlockTables:
@@ -148,6 +165,7 @@ class StepState:
         ids: list[int] = []
         sampled: list[int] = []
         scored: list[int] = []  # rows scoring prompt tokens (prompt_logprobs), after sampled
+        keep: list[int] = []  # per span: its last rows the last layer computes (TailRows)
         for s in spans:
             req = s.request
             rows.append(
@@ -158,35 +176,88 @@ class StepState:
             first = len(ids)
             ids.extend(s.token_ids() if s.draft else req.token_ids[s.start : s.start + s.num_new])
             sampled.extend(range(len(ids) - s.num_sampled, len(ids)))
-            scored.extend(first + p - s.start for p in s.prompt_positions)
+            positions = s.prompt_positions
+            scored.extend(first + p - s.start for p in positions)
+            keep.append(max(s.num_sampled, s.start + s.num_new - positions[0] if positions else 0))
         sampled += scored
         self.tables.flush()
         n_seqs, n_tok = len(rows), len(ids)
-        packed = torch.tensor(rows + starts + q_lens + ids + sampled, dtype=torch.int64)
-        if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        elif self.device.type != "cpu":
-            packed = packed.to(self.device)
+        packed = self._send(rows + starts + q_lens + ids + sampled)
         rows_t, starts_t, q_lens_t, ids_t, sampled_t = packed.split(
             (n_seqs, n_seqs, n_seqs, n_tok, len(sampled))
         )
         ctx = [a + n for a, n in zip(starts, q_lens)]
         inputs = self._inputs(rows_t, starts_t, q_lens_t, ids_t, sampled_t, q_lens, ctx)
         inputs.meta.prompt_spans = [s.start + s.num_new <= s.request.num_prompt for s in spans]
+        gen: list[bool] | None = None
         if self.batch_invariant:
-            inputs.roles, inputs.sampled_roles = self._roles(spans, sampled)
+            inputs.roles, inputs.sampled_roles, gen = self._roles(spans, sampled)
+        if sum(keep) < n_tok:
+            inputs.tail = self._tail(inputs.meta, rows, starts, q_lens, ctx, keep, sampled, gen)
         return inputs
+
+    def _tail(
+        self,
+        meta: AttentionMetadata,
+        rows: list[int],
+        starts: list[int],
+        q_lens: list[int],
+        ctx: list[int],
+        keep: list[int],
+        logits_rows: list[int],
+        gen: list[bool] | None,
+    ) -> TailRows:
+        """``TailRows`` of a step whose span i keeps its last ``keep[i]`` rows."""
+        kept: list[int] = []
+        end = 0
+        for n, k in zip(q_lens, keep):
+            end += n
+            kept.extend(range(end - k, end))
+        seqs = [i for i, k in enumerate(keep) if k]
+        where = {r: j for j, r in enumerate(kept)}
+        m = len(seqs)
+        rows_t, starts_t, q_lens_t, kept_t, logits_t = self._send(
+            [rows[i] for i in seqs]
+            + [starts[i] + q_lens[i] - keep[i] for i in seqs]
+            + [keep[i] for i in seqs]
+            + kept
+            + [where[r] for r in logits_rows]
+        ).split((m, m, m, len(kept), len(logits_rows)))
+        if seqs:  # NOTE: the kept rows stand in for the ids: only their number is read
+            tail_meta = self._inputs(
+                rows_t, starts_t, q_lens_t, kept_t, kept_t[:0], [keep[i] for i in seqs],
+                [ctx[i] for i in seqs],
+            ).meta  # fmt: skip
+            assert meta.prompt_spans is not None
+            tail_meta.prompt_spans = [meta.prompt_spans[i] for i in seqs]
+        else:  # nothing is kept: the last layer stops at its keys and values
+            tail_meta = meta
+        roles = None
+        if self.batch_invariant:
+            roles = (
+                ALL_GENERATED if gen is None else RowRoles.of([gen[r] for r in kept], self.device)
+            )
+        return TailRows(kept_t, tail_meta, logits_t, roles)
+
+    def _send(self, values: list[int]) -> torch.Tensor:
+        """One int64 tensor of ``values`` on the device (one host-to-device copy)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t if self.device.type == "cpu" else t.to(self.device)
 
     def _roles(
         self, spans: Sequence[ScheduledSpan], sampled: list[int]
-    ) -> tuple[RowRoles, RowRoles]:
-        """Row i is generated when its position is past its request's prompt."""
+    ) -> tuple[RowRoles, RowRoles, list[bool] | None]:
+        """Row i is generated when its position is past its request's prompt; also that list
+        (None for a step of decodes, whose rows are all generated)."""
         if all(s.start >= s.request.num_prompt for s in spans):  # decodes: O(1) per span
-            return ALL_GENERATED, ALL_GENERATED
+            return ALL_GENERATED, ALL_GENERATED, None
         gen: list[bool] = []
         for s in spans:
             gen.extend(p >= s.request.num_prompt for p in range(s.start, s.start + s.num_new))
-        return RowRoles.of(gen, self.device), RowRoles.of([gen[i] for i in sampled], self.device)
+        roles = RowRoles.of(gen, self.device)
+        return roles, RowRoles.of([gen[i] for i in sampled], self.device), gen
 
     def _inputs(
         self,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from services.engine.attention import SeqSpan, build_metadata
 from services.engine.cuda_graphs import DecodeGraphs, batch_buckets
@@ -129,3 +130,106 @@ def test_kv_pool_sized_from_device_memory():
             bytes_per_block=2**20,
             activation_bytes=2 * gib,
         )
+
+
+def _mixed_step(eng):
+    """A decode row, a whole prompt scoring its tokens (prompt_logprobs), a whole plain
+    prompt and the first chunk of a longer one (nothing sampled): 1 + 13 + 9 + 9 rows."""
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    eng.add_request("d", [rng.randrange(3, 256) for _ in range(9)], params)
+    eng.step()  # "d" is decoding now
+    scoring = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    eng.add_request("s", [rng.randrange(3, 256) for _ in range(13)], scoring)
+    eng.add_request("p", [rng.randrange(3, 256) for _ in range(9)], params)
+    eng.add_request("c", [rng.randrange(3, 256) for _ in range(20)], params)
+    return eng.scheduler.schedule().spans
+
+
+def test_tail_rows_run_each_span_from_its_first_row_with_logits(make_engine):
+    eng = make_engine(block_size=4, num_kv_blocks=64, max_num_batched_tokens=32)
+    spans = _mixed_step(eng)
+    assert [(s.start, s.num_new) for s in spans] == [(9, 1), (0, 13), (0, 9), (0, 9)]
+    inp = eng.step_state.build(spans)
+    tail = inp.tail
+    assert tail is not None
+    # the decode row; all of "s" (it scores positions 0-11, samples 12); p's last row; none
+    # of "c" (its chunk ends mid-prompt)
+    assert tail.rows.tolist() == [0, *range(1, 14), 22]
+    assert tail.rows[tail.logits_idx].tolist() == inp.logits_idx.tolist()
+    m = tail.meta
+    assert m.query_lens == [1, 13, 1] and m.context_lens == [10, 13, 9]
+    assert m.query_start_loc.tolist() == [0, 1, 14, 15]
+    assert m.prompt_spans == [False, True, True]
+    assert m.block_tables.tolist() == inp.meta.block_tables[:3, : m.block_tables.shape[1]].tolist()
+    for rid in "dspc":
+        eng.abort(rid)
+    eng.step()
+
+
+def test_no_tail_when_every_row_has_logits_and_an_empty_one_when_none_has(make_engine):
+    eng = make_engine(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    eng.add_request("a", list(range(3, 23)), params)
+    inp = eng.step_state.build(eng.scheduler.schedule().spans)  # 8 of 20 prompt tokens
+    assert inp.tail is not None and inp.tail.rows.numel() == 0 and inp.logits_idx.numel() == 0
+    logits = eng.runner.run(eng.scheduler.schedule().spans)
+    assert logits.shape == (0, eng.model_config.vocab_size)
+    eng.abort("a")
+    eng.step()
+    eng.add_request("b", [5, 6, 7], params)
+    eng.step()  # the prompt; then a step of one decode row
+    assert eng.step_state.build(eng.scheduler.schedule().spans).tail is None
+    eng.abort("b")
+    eng.step()
+
+
+@pytest.mark.parametrize(
+    ("backend", "batch_invariant"),
+    [("cpu", False), ("cpu", True), ("torch", False), ("triton", False)],
+)
+def test_the_last_layer_over_its_tail_gives_every_rows_logits(
+    make_engine, backend, batch_invariant
+):
+    """Logits with the last layer computed over the tail rows alone equal those of the whole
+    step's last layer: bit for bit with batch_invariant (every kernel computes each row on
+    its own), to fp32 rounding otherwise (the tail's few rows may take other kernels)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    eng = make_engine(
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=32,
+        batch_invariant=batch_invariant,
+        attention_backend=backend,
+        device="cuda" if backend == "triton" and torch.cuda.is_available() else "cpu",
+    )
+    assert eng.backend.name == backend
+    inp = eng.step_state.build(_mixed_step(eng))
+    assert inp.tail is not None
+
+    def logits(tail):
+        return eng.model.forward(
+            inp.input_ids, inp.positions, eng.cache, inp.meta, eng.backend, inp.logits_idx,
+            None, inp.roles, inp.sampled_roles, tail,
+        ).cpu()  # fmt: skip
+
+    seen: list[int] = []  # query rows of each layer's attention call
+    forward = eng.backend.attention.forward
+
+    def recording(q, *args):
+        seen.append(q.shape[0])
+        return forward(q, *args)
+
+    eng.backend.attention.forward = recording
+    whole, tail = logits(None), logits(inp.tail)
+    layers = eng.model_config.num_layers
+    assert seen == [32] * (2 * layers - 1) + [15]  # the tail's run: its last layer, 15 rows
+    assert tail.shape == whole.shape == (1 + 13 + 1, eng.model_config.vocab_size)
+    if batch_invariant:
+        assert torch.equal(tail, whole)
+    else:
+        torch.testing.assert_close(tail, whole, rtol=1e-5, atol=1e-5)
+    for rid in "dspc":
+        eng.abort(rid)
+    eng.step()
