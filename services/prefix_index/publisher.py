@@ -1,7 +1,10 @@
 """Publishes one replica's prefix-cache events to the index, off the engine's hot path.
 
 Invariants: the engine thread only appends to a deque (never waits on Redis); a background
-thread batches the events, refreshes the replica's lease every ``ttl_s / 3``, and after any
+thread batches the events (one call per ``batch_s`` at most: a replica caches blocks all the
+time, a decode batch's rows each crossing a block every ``block_size`` steps, and a call per
+event kept the index's process and the replica's own GIL busy), refreshes the replica's lease
+every ``ttl_s / 3``, and after any
 index error, a lapsed lease or an index that lost its data (restarted) resynchronizes the replica's whole entry set from a snapshot (so a Redis outage
 leaves no stale or missing entries once Redis is back). Errors are logged and counted.
 """
@@ -34,16 +37,19 @@ class IndexPublisher:
         replica_id: str,
         snapshot: Callable[[], list[BlockHash]],
         ttl_s: float = 10.0,
+        batch_s: float = 0.1,
     ) -> None:
         self.index = index
         self.replica_id = replica_id
         self.ttl_s = ttl_s
+        self.batch_s = batch_s
         self.errors = 0
         self._snapshot = snapshot
         self._seq = itertools.count(1)  # next() is atomic: safe from the engine thread
         self._events: deque[tuple[int, bool, BlockHash]] = deque()  # (seq, added?, hash)
         self._published = 0  # highest seq written to the index
         self._wake = threading.Event()
+        self._flush = threading.Event()  # a flush waits: publish without batching
         self._stop = threading.Event()
         self._down = False  # in an outage (logged once per outage)
         self._needs_resync = True  # a new replica starts clean: drop, then publish what it has
@@ -63,6 +69,7 @@ class IndexPublisher:
         """Wait until every event queued so far is in the index; False on timeout."""
         target = self._events[-1][0] if self._events else 0
         end = time.monotonic() + timeout_s
+        self._flush.set()
         self._wake.set()
         while (self._published < target or self._needs_resync) and time.monotonic() < end:
             time.sleep(0.01)
@@ -78,10 +85,13 @@ class IndexPublisher:
             log.warning("prefix index: dropping %s failed: %s", self.replica_id, e)
 
     def _run(self) -> None:
+        beat_at = 0.0  # when the lease is due for its refresh
         while not self._stop.is_set():
             try:
-                if not self.index.heartbeat(self.replica_id, self.ttl_s):
-                    self._needs_resync = True  # lapsed lease or a restarted index: republish
+                if time.monotonic() >= beat_at:
+                    beat_at = time.monotonic() + self.ttl_s / 3
+                    if not self.index.heartbeat(self.replica_id, self.ttl_s):
+                        self._needs_resync = True  # lapsed lease or a restarted index
                 if self._needs_resync:
                     self._resync()
                 self._drain()
@@ -96,8 +106,11 @@ class IndexPublisher:
                         "prefix index unavailable (%s); this replica's hits are not routed", e
                     )
                 self._down = True
-            self._wake.wait(timeout=self.ttl_s / 3)
+            self._wake.wait(timeout=max(0.0, beat_at - time.monotonic()))
             self._wake.clear()
+            if not self._flush.is_set():  # let the burst this wake began gather
+                self._stop.wait(self.batch_s)
+            self._flush.clear()
 
     def _resync(self) -> None:
         # NOTE: the snapshot is taken after clearing, so events after it are replayed on top
