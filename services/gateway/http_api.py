@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
+from starlette.datastructures import Headers
 
 from services.engine.errors import InvalidRequestError, RequestFailedError
 from services.gateway import logprobs
@@ -69,6 +70,35 @@ class SourceClosingResponse(StreamingResponse):
             await self._source.aclose()  # NOTE: the body's own finally does not run unstarted
 
 
+class BearerAuth:
+    """The API keys' check (``Authorization: Bearer``) as plain ASGI middleware: a request
+    without a valid key gets 401 (the probes' and the scrape's paths excepted); the key's
+    tenant goes to ``request.state.tenant``. NOTE: not Starlette's ``BaseHTTPMiddleware``
+    (``@app.middleware``): that runs every response through a memory stream and a task of its
+    own, one more event-loop hop per streamed token, keys configured or not."""
+
+    def __init__(self, app: Any, gw: Gateway, open_paths: tuple[str, ...]) -> None:
+        self.app = app
+        self.gw = gw
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.gw.auth.enabled:
+            await self.app(scope, receive, send)
+            return
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):  # Serve mounts the app under its route prefix
+            path = path[len(root) :]
+        tenant = self.gw.auth.tenant(Headers(scope=scope).get("authorization"))
+        if path not in self.open_paths and tenant is None:
+            r = error_body(401, "a valid bearer token is required (Authorization header)")
+            r.headers["WWW-Authenticate"] = "Bearer"
+            await r(scope, receive, send)
+            return
+        scope.setdefault("state", {})["tenant"] = tenant or ""
+        await self.app(scope, receive, send)
+
+
 def build_http_app(gw: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -86,19 +116,7 @@ def build_http_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
     open_paths = ("/health", "/ready", "/metrics")  # probes and Prometheus scrape: no token
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if gw.auth.enabled:
-            path, root = request.scope["path"], request.scope.get("root_path", "")
-            if root and path.startswith(root):  # Serve mounts the app under its route prefix
-                path = path[len(root) :]
-            tenant = gw.auth.tenant(request.headers.get("authorization"))
-            if path not in open_paths and tenant is None:
-                r = error_body(401, "a valid bearer token is required (Authorization header)")
-                r.headers["WWW-Authenticate"] = "Bearer"
-                return r
-            request.state.tenant = tenant or ""
-        return await call_next(request)
+    app.add_middleware(BearerAuth, gw=gw, open_paths=open_paths)
 
     @app.exception_handler(InvalidRequestError)
     async def _bad(_: Request, e: InvalidRequestError) -> JSONResponse:
