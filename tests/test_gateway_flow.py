@@ -127,3 +127,36 @@ def test_a_draining_gateway_refuses_new_requests_and_is_not_ready():
         asyncio.run(_collect(gw))
     assert asyncio.run(gw.readiness.check()) == (False, "draining: the server is shutting down")
     assert gw.inflight() == 0
+
+
+def test_a_stream_past_its_deadline_ends_with_an_error_and_its_source_is_cancelled():
+    from services.gateway.gateway import _with_deadline
+
+    stuck = asyncio.Event()  # never set: the source hangs after two items
+    cancelled: list[bool] = []
+
+    async def source():  # type: ignore[no-untyped-def]
+        yield 1
+        yield 2
+        try:
+            await stuck.wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def finite():  # type: ignore[no-untyped-def]
+        for i in range(3):
+            yield i
+
+    async def run(gen, timeout_s):  # type: ignore[no-untyped-def]
+        got = []
+        try:
+            async for item in _with_deadline(gen, timeout_s):
+                got.append(item)
+        except ServiceUnavailableError as e:
+            got.append(str(e))
+        return got
+
+    assert asyncio.run(run(finite(), 30.0)) == [0, 1, 2]
+    assert asyncio.run(run(source(), 0.2)) == [1, 2, "the request passed its deadline"]
+    assert cancelled == [True]

@@ -610,14 +610,19 @@ class Gateway:
 
 
 async def _with_deadline(gen: Any, timeout_s: float) -> AsyncIterator[Any]:
-    end = time.monotonic() + timeout_s
+    """``gen``'s items until ``timeout_s`` from now; then ServiceUnavailableError. NOTE: a
+    timer per item around the awaited ``__anext__`` (``asyncio.timeout_at``), not
+    ``asyncio.wait_for``: that ran each item's wait as a task of its own, one more task and
+    event-loop hop per streamed token."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
     it = gen.__aiter__()
     while True:
-        left = end - time.monotonic()
-        if left <= 0:
+        if loop.time() >= end:
             raise ServiceUnavailableError("the request passed its deadline")
         try:
-            item = await asyncio.wait_for(it.__anext__(), timeout=left)
+            async with asyncio.timeout_at(end):
+                item = await it.__anext__()
         except StopAsyncIteration:
             return
         except TimeoutError:
