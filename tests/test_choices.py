@@ -96,6 +96,34 @@ def test_a_leader_holding_a_slot_the_followers_need_does_not_stall_them():
     assert asyncio.run(run()) == {0: [1, 2, 3], 1: [4, 5], 2: [6]}
 
 
+@pytest.mark.parametrize("fail_at", [-1, 0, 2])
+def test_a_single_flow_is_read_in_the_readers_task_whole_or_up_to_its_error(fail_at):
+    log: list[str] = []
+    flow = Flow([1, 2, 3], log, "a", fail_at=fail_at)
+    tasks: set[asyncio.Task] = set()
+
+    async def collect() -> dict[int, list[int]]:
+        merged = MergedFlows([flow], leaders=[0])
+        await merged.start()
+        out: dict[int, list[int]] = {}
+        try:
+            async for j, c in merged:
+                tasks.add(asyncio.current_task())  # type: ignore[arg-type]
+                out.setdefault(j, []).extend(c.token_ids)
+        finally:
+            await merged.aclose()
+        assert len(asyncio.all_tasks()) == 1  # no pump task beside the reader
+        return out
+
+    if fail_at < 0:
+        assert asyncio.run(collect()) == {0: [1, 2, 3]}
+        assert len(tasks) == 1
+    else:
+        with pytest.raises(RuntimeError, match="a failed"):
+            asyncio.run(collect())
+    assert flow.closed
+
+
 def test_choice_seeds_differ_and_repeat():
     assert [choice_seed(7, i) for i in range(3)] == [7, 8, 9]
     assert choice_seed(None, 2) is None

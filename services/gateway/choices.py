@@ -28,6 +28,8 @@ class MergedFlows:
     NOTE: every flow is drained by its own task from its first chunk on, into an unbounded
     queue (read-ahead is bounded by max_tokens): a flow left suspended after its first chunk
     holds its replicas' call slots, and followers waiting for those slots would deadlock.
+    A single flow (the common request: one prompt, n = 1) has no followers: it is read in the
+    reader's own task, without the task and the queue's hop per token.
     """
 
     def __init__(
@@ -45,10 +47,21 @@ class MergedFlows:
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._open = len(self._its)
+        self._direct = len(self._its) == 1
+        self._first: Any = None  # a direct flow's first chunk (or _END), until it is read
 
     async def start(self) -> None:
         """Wait for every flow's first chunk (raises the first failure, after closing every
         flow)."""
+        if self._direct:
+            try:
+                self._first = await self._its[0].__anext__()
+            except StopAsyncIteration:
+                self._first = _END
+            except BaseException:
+                await self.aclose()
+                raise
+            return
         try:
             lead = [self._spawn(i) for i in self._leaders]
             await asyncio.gather(*lead)
@@ -87,6 +100,13 @@ class MergedFlows:
         return self
 
     async def __anext__(self) -> tuple[int, TokenChunk]:
+        if self._direct:
+            item, self._first = self._first, None
+            if item is None:
+                item = await self._its[0].__anext__()  # NOTE: its end ends this stream
+            if item is _END:
+                raise StopAsyncIteration
+            return 0, item
         while self._open:
             i, item = await self._queue.get()
             if item is _END:
