@@ -6,7 +6,8 @@ Measures in one run, beside the anchors (every engine on the same weights, one t
     (``batch_invariant: false``), and pdserve fp32 (``quantization: none``, the GGUF
     dequantized), against HF transformers fp32 and bf16 and llama.cpp (llama-cpp-python on the
     same GGUF file, when installed);
-  - TTFT at 128 / 512 / 2,048-token prompts; the compute floor 2 x params x tokens at the
+  - TTFT at 128 / 512 / 2,048-token prompts; the compute floor 2 x params x tokens (the
+    decoder's parameters for every token, the lm_head's for the one row sampled) at the
     measured single-thread fp32 GEMM rate;
   - ITL at batch 1 / 8 / 32 (128-token contexts); the bandwidth floor of each precision:
     bytes of weights one step reads / measured single-thread memory bandwidth;
@@ -318,10 +319,15 @@ def main() -> None:
     }
     anchors = make_anchors()
     vocab = engines["pdserve-fp32"].model_config.vocab_size
-    params = sum(
+    # NOTE: a prompt token meets the decoder's weights; the embedding is a row gather, and
+    # the lm_head (tied to it here) runs for the last row only
+    hf = anchors["hf-fp32"].model  # type: ignore[attr-defined]
+    body = sum(
         p.numel()
-        for p in anchors["hf-fp32"].model.parameters()  # type: ignore[attr-defined]
+        for n, p in hf.named_parameters()
+        if "embed_tokens" not in n and "lm_head" not in n
     )
+    head = vocab * hf.config.hidden_size
     for e in engines.values():
         engine_ttft(e, prompts_of(16, 1, vocab, 0)[0])  # warm-up
     rows: dict[str, dict[str, float]] = {}
@@ -329,9 +335,10 @@ def main() -> None:
         p = prompts_of(n, 1, vocab, n)[0]
         row = {name: min(engine_ttft(e, p) for _ in range(2)) for name, e in engines.items()}
         row.update({name: a.ttft(p) for name, a in anchors.items()})  # type: ignore[attr-defined]
-        row["floor"] = 2 * params * n / (fl["gemm_gflops"] * 1e9)
+        flop = 2 * (body * n + head)
+        row["floor"] = flop / (fl["gemm_gflops"] * 1e9)
         if "gemm_gflops_bf16" in fl:  # the default's prompt GEMMs run in bf16 here
-            row["floor-bf16"] = 2 * params * n / (fl["gemm_gflops_bf16"] * 1e9)
+            row["floor-bf16"] = flop / (fl["gemm_gflops_bf16"] * 1e9)
         rows[f"ttft_{n}"] = row
         print(
             f"TTFT {n:5d}: " + "  ".join(f"{k} {v * 1e3:.0f} ms" for k, v in row.items()),
