@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,7 +24,9 @@ from services.engine.linear import LinearLayer, Weight, fuse, make_linear
 from services.engine.quant import QuantWeight
 from services.engine.rope import Rotary
 from services.engine.row_roles import RowRoles
-from services.engine.step_state import TailRows
+
+if TYPE_CHECKING:  # the model reads a step's inputs; it does not build them
+    from services.engine.step_state import TailRows
 
 # (layer, keys, values) of the step's tokens, called once the layer's KV is in the cache
 LayerHook = Callable[[int, torch.Tensor, torch.Tensor], None]

@@ -171,9 +171,10 @@ def test_no_tail_when_every_row_has_logits_and_an_empty_one_when_none_has(make_e
     eng = make_engine(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     eng.add_request("a", list(range(3, 23)), params)
-    inp = eng.step_state.build(eng.scheduler.schedule().spans)  # 8 of 20 prompt tokens
+    spans = eng.scheduler.schedule().spans  # 8 of 20 prompt tokens
+    inp = eng.step_state.build(spans)
     assert inp.tail is not None and inp.tail.rows.numel() == 0 and inp.logits_idx.numel() == 0
-    logits = eng.runner.run(eng.scheduler.schedule().spans)
+    logits = eng.runner.run(spans)
     assert logits.shape == (0, eng.model_config.vocab_size)
     eng.abort("a")
     eng.step()

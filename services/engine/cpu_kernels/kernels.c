@@ -310,13 +310,21 @@ void pdserve_q8_gemm(const float *restrict x, int M, int K, const int8_t *restri
  * Same op order as the torch reference (services/engine/layer_ops.py); built with
  * -ffp-contract=off so a * b + c rounds twice, as torch's separate kernels do. */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* 16 bf16 values widened to fp32 (exact) */
+/* bf16 values widened to fp32 (exact): the norm's input, bf16 cache rows, silu's input */
+#if defined(__AVX2__)
+static inline __m256 widen_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+#if defined(__AVX512F__)
 static inline __m512 widen_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+#endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 /* 16 fp32 values rounded to bf16 as f32_to_bf16 does (nearest even; a NaN stays a NaN) */
 static inline void store_bf16x16(uint16_t *p, __m512 y) {
     const __m512i yi = _mm512_castps_si512(y);
@@ -357,9 +365,7 @@ void pdserve_add_rms_norm(const void *restrict xv, int x_bf16, const float *rest
         }
 #endif
         for (; i + 8 <= N; i += 8) {
-            __m256 r = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-                                    _mm_loadu_si128((const __m128i *)(xh + i))), 16))
-                              : _mm256_loadu_ps(xf + i);
+            __m256 r = x_bf16 ? widen_bf16x8(xh + i) : _mm256_loadu_ps(xf + i);
             if (rs) r = _mm256_add_ps(r, _mm256_loadu_ps(rs + i));
             _mm256_storeu_ps(rr + i, r);
             a8 = _mm256_add_ps(a8, _mm256_mul_ps(r, r));
@@ -527,9 +533,7 @@ static inline __m512 exp512(__m512 x) {
 /* 8 values of a cache row of format fmt starting at element c (a multiple of 8) */
 static inline __m256 row8(const uint8_t *row, int c, int D, int fmt) {
     if (fmt == KV_F32) return _mm256_loadu_ps((const float *)row + c);
-    if (fmt == KV_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * c))), 16));
+    if (fmt == KV_BF16) return widen_bf16x8((const uint16_t *)row + c);
     const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + c))));
     return _mm256_mul_ps(v, _mm256_broadcast_ss((const float *)(row + D) + c / 32));
 }
@@ -593,9 +597,7 @@ void pdserve_silu_and_mul_bf16(const uint16_t *restrict gu, int T, int I, uint16
  * share a scale) */
 static inline __attribute__((always_inline)) __m512 row16(const uint8_t *row, int c, int D, int fmt) {
     if (fmt == KV_F32) return _mm512_loadu_ps((const float *)row + c);
-    if (fmt == KV_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * c))), 16));
+    if (fmt == KV_BF16) return widen_bf16x16((const uint16_t *)row + c);
     const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c))));
     return _mm512_mul_ps(v, _mm512_set1_ps(((const float *)(row + D))[c / 32]));
 }
