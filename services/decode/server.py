@@ -148,5 +148,6 @@ class DecodeServer(EngineReplica):
     def __del__(self) -> None:
         # NOTE: replicas are torn down by Ray; stop the publisher and the loop thread
         self._pulls.shutdown(wait=False, cancel_futures=True)
+        self.inbox.close()
         self.inbox.client.close()
         self.shutdown()

@@ -3,6 +3,8 @@ ref, a release after every receive, and one error type with a reason for every f
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from kvtransfer.base import (
@@ -14,6 +16,7 @@ from kvtransfer.base import (
 )
 from kvtransfer.inbox import Inbox, InboxConfig, Receive
 from services.engine.errors import LayoutMismatchError, UnknownRequestError
+from tests.fixtures import eventually
 from tests.kvtransfer.kv_fixtures import random_handle
 
 
@@ -65,8 +68,14 @@ CFG = InboxConfig(pull_timeout_s=3.0, stream_timeout_s=60.0, stall_s=9.0)
 
 
 def _inbox(client, clock=None, wall=None) -> Inbox:
+    """Releases run synchronously here, so each test sees them at once."""
     return Inbox(
-        client, client.handle.fingerprint, CFG, clock or Ticks(5.0, 5.25), wall or (lambda: 1000.5)
+        client,
+        client.handle.fingerprint,
+        CFG,
+        clock or Ticks(5.0, 5.25),
+        wall or (lambda: 1000.5),
+        release_in=lambda send: send(),
     )
 
 
@@ -150,3 +159,45 @@ def test_the_ref_s_secret_goes_with_every_call(layerwise):
     client = Client()
     _inbox(client).receive(KVRef("r", "a:1", layerwise, "the-secret"))
     assert client.secrets == ["the-secret", "the-secret"]  # the transfer, then the release
+
+
+class SlowReleaseClient(Client):
+    """Its release waits until the test lets it through (a sender busy with its next chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.let_through = threading.Event()
+        self.released = threading.Event()
+
+    def release(self, address, request_id, timeout_s, secret=""):
+        assert self.let_through.wait(10)
+        super().release(address, request_id, timeout_s, secret)
+        self.released.set()
+
+
+@pytest.mark.parametrize("error", [None, TimeoutError("deadline")])
+def test_receive_returns_without_waiting_for_the_release_and_still_sends_it(error):
+    client = SlowReleaseClient()
+    client.error = error
+    inbox = Inbox(client, client.handle.fingerprint, CFG, Ticks(5.0, 5.25), lambda: 1000.5)
+    if error is None:
+        assert inbox.receive(KVRef("r", "a:1", layerwise=False)).handle is client.handle
+    else:
+        with pytest.raises(KVTransferFailedError):
+            inbox.receive(KVRef("r", "a:1", layerwise=False))
+    # returned while the release waits at the sender: it is still owed, and counted
+    assert not client.released.is_set()
+    assert inbox.in_flight() == {"r": "releasing"}
+    client.let_through.set()
+    assert client.released.wait(10)
+    eventually(lambda: inbox.in_flight() == {}, 10, "the release to be counted as sent")
+    assert client.calls[-1] == ("release", "a:1", "r")
+    inbox.close()
+
+
+def test_a_closed_inbox_sends_the_release_from_the_receiving_thread():
+    client = Client()
+    inbox = Inbox(client, client.handle.fingerprint, CFG, Ticks(5.0, 5.25), lambda: 1000.5)
+    inbox.close()
+    inbox.receive(KVRef("r", "a:1", layerwise=False))
+    assert client.calls[-1] == ("release", "a:1", "r") and inbox.in_flight() == {}
