@@ -8,6 +8,7 @@ registry) imports the transports lazily, by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -123,12 +124,15 @@ class KVClient(Protocol):
         timeout_s: float,
         stall_s: float | None = None,
         secret: str = "",
+        on_layers: Callable[[], None] | None = None,
     ) -> tuple[KVHandle, float]:
         """Receive a request's KV layer by layer while the sender prefills it (the sender
         opened the stream first); returns the handle and when the sender finished computing
         it (Unix seconds). Raises as ``pull`` does; ``StreamFailedError`` when the prefill
         ended without KV to hand over; TimeoutError when nothing came, not even a heartbeat,
-        for ``stall_s`` (None: only ``timeout_s``)."""
+        for ``stall_s`` (None: only ``timeout_s``). ``on_layers``: called once, from the
+        receiving thread, when every layer is in and only the trailer is due (the decode
+        replica's engine then expects the request: ``AsyncEngine.expect``)."""
         ...
 
     def release(

@@ -542,6 +542,7 @@ class DistKVClient:
         timeout_s: float,
         stall_s: float | None = None,
         secret: str = "",
+        on_layers: Callable[[], None] | None = None,
     ) -> tuple[KVHandle, float]:
         """Receive a request's KV layer by layer while the sender prefills it; returns the
         handle and the sender's ``finished_unix``. Raises as ``pull`` does; a second
@@ -552,7 +553,9 @@ class DistKVClient:
             return self._transfer(
                 address,
                 end,
-                lambda p: self._receive_stream(p, request_id, layout, end, stall_s, secret),
+                lambda p: self._receive_stream(
+                    p, request_id, layout, end, stall_s, secret, on_layers
+                ),
             )
         except StreamBusyError as e:
             raise TransferError(str(e)) from None
@@ -606,11 +609,12 @@ class DistKVClient:
         end: float,
         stall_s: float | None,
         secret: str,
+        on_layers: Callable[[], None] | None,
     ) -> tuple[KVHandle, float]:
         n, answer = self._ask(pair, "stream", request_id, layout, end, secret)
         first = pb.StreamKVResponse.FromString(base64.b64decode(answer["header"]))
         device = _device(self.backend)
-        asm = wire.StreamAssembler(first.header, layout, device)
+        asm = wire.StreamAssembler(first.header, layout, device, on_layers)
         kind = answer["checksum"]
         meta = torch.empty(_META_LEN, dtype=torch.int64, device=device)
         while True:

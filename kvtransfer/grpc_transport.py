@@ -300,6 +300,7 @@ class GrpcKVClient:
         timeout_s: float,
         stall_s: float | None = None,
         secret: str = "",
+        on_layers: Callable[[], None] | None = None,
     ) -> tuple[KVHandle, float]:
         """Receive a request's KV layer by layer while it is prefilled; returns the handle
         and the sender's ``finished_unix``. Raises as ``pull`` does."""
@@ -310,7 +311,7 @@ class GrpcKVClient:
         watch = StallWatch(stall_s, call.cancel)
         try:
             with watch:
-                return wire.decode_stream(watch.messages(call), layout)
+                return wire.decode_stream(watch.messages(call), layout, on_layers)
         except grpc.RpcError as e:
             if watch.stalled:
                 raise watch.error(address) from None

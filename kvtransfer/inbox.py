@@ -116,8 +116,9 @@ class Inbox:
         self.failures: dict[str, int] = {}  # by reason
         self.fail_next = 0  # test hook: the next receives fail as a lost transfer would
 
-    def receive(self, ref: KVRef) -> Received:
-        """The request's KV, verified; released at the sender either way.
+    def receive(self, ref: KVRef, on_layers: Callable[[], None] | None = None) -> Received:
+        """The request's KV, verified; released at the sender either way. ``on_layers``: a
+        layer-wise receive calls it once every layer is in, before the trailer.
 
         Raises:
             KVTransferFailedError: with ``reason`` deadline / not_held / layout / transfer.
@@ -127,7 +128,7 @@ class Inbox:
                 raise ValueError(f"{ref.request_id!r} is already being received")
             self._receiving[ref.request_id] = Receive.RECEIVING
         try:
-            got = self._take(ref)
+            got = self._take(ref, on_layers)
             self._set(ref, Receive.RECEIVED)
             return got
         except (
@@ -170,7 +171,7 @@ class Inbox:
         with self._lock:
             self._receiving[ref.request_id] = state
 
-    def _take(self, ref: KVRef) -> Received:
+    def _take(self, ref: KVRef, on_layers: Callable[[], None] | None) -> Received:
         with self._lock:
             if self.fail_next > 0:
                 self.fail_next -= 1
@@ -185,6 +186,7 @@ class Inbox:
                 c.stream_timeout_s,
                 c.stall_s,
                 secret=ref.secret,
+                on_layers=on_layers,
             )
             # NOTE: wall clocks of two hosts; clamped, since only the excess is exposed
             exposed = max(0.0, self._wall() - finished_unix)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -461,11 +461,17 @@ class StreamAssembler:
     """The receiver's side of a layer-wise stream, whatever carries it: allocates for the
     stream header, places each checked piece, and builds the handle at the trailer once
     every position of every layer has arrived (pieces in sequence; else TransferError,
-    LayoutMismatchError on a layout)."""
+    LayoutMismatchError on a layout). ``on_layers``: called once, when every position of
+    the last layer is in (only the trailer is still to come)."""
 
     def __init__(
-        self, h: pb.KVHeader, expected: LayoutFingerprint, device: torch.device | str = "cpu"
+        self,
+        h: pb.KVHeader,
+        expected: LayoutFingerprint,
+        device: torch.device | str = "cpu",
+        on_layers: Callable[[], None] | None = None,
     ) -> None:
+        self.on_layers = on_layers
         check_layout(layout_from_proto(h.layout), expected)
         fp = self.fp = expected
         row, dtype = storage(fp)
@@ -505,6 +511,10 @@ class StreamAssembler:
             )
         self.covered[layer, a:b] = True
         self.seq += 1
+        last = self.fp.num_layers - 1
+        if self.on_layers is not None and layer == last and self.covered[last].all():
+            self.on_layers()
+            self.on_layers = None
 
     def finish(self, t: pb.KVHeader) -> tuple[KVHandle, float]:
         """The handle, from the trailer ``t``, and the sender's ``finished_unix``."""
@@ -519,15 +529,20 @@ class StreamAssembler:
         return handle_from(t, self.buf, self.fp), t.finished_unix
 
 
-def decode_stream(messages: Iterable[bytes], expected: LayoutFingerprint) -> tuple[KVHandle, float]:
-    """Rebuild a handle from a ``StreamKV`` stream (``StreamAssembler``); returns it and the
-    sender's ``finished_unix``. Every piece must pass its checksum."""
+def decode_stream(
+    messages: Iterable[bytes],
+    expected: LayoutFingerprint,
+    on_layers: Callable[[], None] | None = None,
+) -> tuple[KVHandle, float]:
+    """Rebuild a handle from a ``StreamKV`` stream (``StreamAssembler``, ``on_layers`` as
+    there); returns it and the sender's ``finished_unix``. Every piece must pass its
+    checksum."""
     it = iter(messages)
     raw = next(it, None)
     first = pb.StreamKVResponse.FromString(raw) if raw is not None else None
     if first is None or first.WhichOneof("msg") != "header":
         raise TransferError("stream did not start with a header")
-    asm = StreamAssembler(first.header, expected)
+    asm = StreamAssembler(first.header, expected, on_layers=on_layers)
     for raw in it:
         frame = read_data_frame(raw, 2)
         if frame is None:

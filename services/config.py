@@ -284,6 +284,15 @@ class ServeConfig(BaseModel):
         "this long (a prefill replica sends a heartbeat every 2 s while its engine makes "
         "progress, so a queued prefill is not a stalled one)",
     )
+    kv_join_wait_ms: float = Field(
+        10.0,
+        ge=0,
+        le=1000,
+        description="a decode replica that has every layer of a request's streamed KV waits up "
+        "to this long after a step for the request to join before it starts the next step, so "
+        "the request's second token comes a step sooner (the running requests wait instead, "
+        "once per prefill chunk that finishes prompts); 0 = never wait",
+    )
     kv_hold_timeout_s: float = Field(
         60.0,
         gt=0,

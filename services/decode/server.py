@@ -65,10 +65,15 @@ class DecodeServer(EngineReplica):
             cfg.kv_pull_budget_mb << 20, lambda: self.engine.last_stats.blocks_free
         )
 
-    async def _receive(self, kv: KVRef) -> Received:
+    async def _receive(self, request_id: str, kv: KVRef) -> Received:
         loop = asyncio.get_running_loop()
+        wait_s = self.cfg.kv_join_wait_ms / 1e3
+
+        def expect() -> None:  # every layer is in: the add follows the trailer
+            self.engine.expect(request_id, wait_s)
+
         try:
-            return await loop.run_in_executor(self._pulls, self.inbox.receive, kv)
+            return await loop.run_in_executor(self._pulls, self.inbox.receive, kv, expect)
         except KVTransferFailedError as e:
             self.metrics.observe_transfer_failure(e.reason)
             raise
@@ -96,7 +101,7 @@ class DecodeServer(EngineReplica):
         transfer_s, transfer_bytes = 0.0, 0
         start = time.perf_counter()
         if kv is not None:
-            got = await self._receive(kv)
+            got = await self._receive(spec.request_id, kv)
             handle, transfer_s, transfer_bytes = got.handle, got.exposed_s, got.nbytes
             self.metrics.observe_transfer(transfer_s, transfer_bytes)
         last: float | None = None

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from services.engine.engine import Engine, EngineStats
 from services.engine.errors import RequestFailedError
@@ -85,16 +85,38 @@ class Turnstile:
 class AsyncEngine:
     """Runs ``engine.step()`` in a background thread while there is work.
 
+    Joins: a request whose KV arrives from a prefill replica joins the batch at the end of
+    the step in flight (a whole decode step later, at worst). When the last layer of a
+    request's KV stream is in, its add follows within a few ms (the prefill samples its first
+    token and sends the trailer: 7.7 ms p50, 13 ms p90 under the standard load), so the
+    decode replica announces it (``expect``): a step ending in that window waits for the
+    add, up to the expectation's deadline, and the new request joins the very next step,
+    instead of a whole step after. The running requests lose at most that wait, once per
+    prefill chunk that finishes prompts.
+
     Args:
         stall_timeout_s: longest wait for a request's next output before giving up on it.
+        clock: monotonic seconds (expectations' deadlines; injected by tests).
     """
 
-    def __init__(self, engine: Engine, stall_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        stall_timeout_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.engine = engine
         self.lock = threading.Lock()
         self.stall_timeout_s = stall_timeout_s
+        self._clock = clock
         self._wake = threading.Condition(self.lock)
         self._turn = Turnstile(self.lock)
+        # request id -> when to stop waiting for its add; its own lock: announced from
+        # receiving threads while a step holds the engine lock
+        self._expected: dict[str, float] = {}
+        self._expect_lock = threading.Lock()
+        self.join_waits = 0  # steps that waited for an announced add
+        self.join_wait_s = 0.0  # and how long, in all
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[object]]] = {}
         self._stopped = False
         self.last_stats: EngineStats = engine.stats()
@@ -137,6 +159,8 @@ class AsyncEngine:
                 )
                 self._streams[request_id] = (loop, queue)
                 state["added"] = True
+                with self._expect_lock:
+                    self._expected.pop(request_id, None)
                 self._wake.notify()
 
         try:
@@ -185,6 +209,32 @@ class AsyncEngine:
         self.engine.abort(request_id)
         self._wake.notify()
 
+    def expect(self, request_id: str, within_s: float) -> None:
+        """``request_id``'s add is due within ``within_s`` (its KV is all here): a step
+        ending before then waits for it (see the class's note on joins). Any thread, never
+        blocks; an add that does not come only costs the wait until the deadline."""
+        if within_s > 0:
+            with self._expect_lock:
+                self._expected[request_id] = self._clock() + within_s
+
+    def _join_wait(self) -> None:
+        """Under the engine lock, between steps: while an announced add is due, wait for it
+        (the wait releases the lock, so the add gets in), until the last deadline."""
+        start = None
+        while not self._stopped:
+            now = self._clock()
+            with self._expect_lock:
+                for rid in [r for r, due in self._expected.items() if due <= now]:
+                    del self._expected[rid]  # never came (a failed receive): no more waiting
+                due = max(self._expected.values(), default=None)
+            if due is None:
+                break
+            start = now if start is None else start
+            self._wake.wait(timeout=due - now)
+        if start is not None:
+            self.join_waits += 1
+            self.join_wait_s += self._clock() - start
+
     @property
     def turnstile(self) -> Turnstile:
         """The engine lock for threads other than the loop (see ``Turnstile``)."""
@@ -227,6 +277,8 @@ class AsyncEngine:
                     # after a request was added (``add`` held the lock across the timeout),
                     # and that step then runs the request (it may even finish it).
                     self._wake.wait(timeout=1.0)
+                if self.engine.has_unfinished:
+                    self._join_wait()
                 if self._stopped:
                     break
                 working = self.engine.has_unfinished

@@ -264,3 +264,47 @@ def test_a_kv_release_during_a_step_is_freed_at_the_end_of_the_step_in_flight() 
     for _ in range(100):
         stub.permits.release()
     ae.stop()
+
+
+def test_a_step_waits_for_an_announced_add_and_no_longer_than_its_deadline() -> None:
+    """A decode replica announces a request whose KV is all in (``expect``); the step after
+    the one in flight waits for its add, so it joins the very next step. An add that never
+    comes holds the loop only until its deadline."""
+    stub = BusyStub()
+    now = [0.0]
+    ae = AsyncEngine(stub, clock=lambda: now[0])  # type: ignore[arg-type]
+
+    async def run() -> None:
+        ae.expect("r", within_s=30.0)
+        stub.permits.release()  # the step in flight ends ...
+        for _ in range(5):  # ... and more are ready to run: the loop waits instead
+            stub.permits.release()
+        await asyncio.to_thread(eventually, lambda: stub.steps == 1, 10, "the step in flight")
+        gen = ae.generate("r", PROMPT, SamplingParams(max_tokens=1))
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.to_thread(eventually, lambda: "r" in stub.added, 10, "the add")
+        await asyncio.to_thread(eventually, lambda: stub.steps == 6, 10, "the steps after it")
+        first.cancel()
+        with contextlib.suppress(BaseException):
+            await first
+
+    asyncio.run(run())
+    assert stub.added["r"] == 1  # joined the first step after the one in flight
+    assert ae.join_waits == 1
+    stub.has_unfinished = False
+    stub.permits.release()
+    ae.stop()
+
+
+def test_an_announced_add_that_never_comes_holds_the_loop_only_until_its_deadline() -> None:
+    stub = BusyStub()
+    ae = AsyncEngine(stub)  # type: ignore[arg-type]
+    ae.expect("lost", within_s=0.2)  # its receive failed after the last layer
+    for _ in range(3):
+        stub.permits.release()
+    eventually(lambda: stub.steps == 3, 10, "the loop to step on after the deadline")
+    assert ae.join_waits == 1 and ae.join_wait_s > 0
+    assert ae._expected == {}  # forgotten
+    stub.has_unfinished = False
+    stub.permits.release()
+    ae.stop()

@@ -38,7 +38,9 @@ class Client:
             raise self.error
         return self.handle
 
-    def pull_stream(self, address, request_id, layout, timeout_s, stall_s=None, secret=""):
+    def pull_stream(
+        self, address, request_id, layout, timeout_s, stall_s=None, secret="", on_layers=None
+    ):
         self.calls.append(("stream", address, request_id))
         self.secrets.append(secret)
         assert (timeout_s, stall_s) == (60.0, 9.0)

@@ -13,6 +13,7 @@ import torch
 
 from kvtransfer import wire
 from proto.pdserve.v1 import kv_transfer_pb2 as pb
+from services.engine.kv_stream import KVPiece
 from tests.kvtransfer.kv_fixtures import random_handle
 
 CRC = {"crc32": zlib.crc32, "crc32c": lambda b: google_crc32c.value(bytes(b))}
@@ -93,3 +94,33 @@ def test_kv_on_a_gpu_is_encoded_through_host_memory():
     on_gpu = dataclasses.replace(h, blocks=h.blocks.cuda())
     got = wire.decode(iter(list(wire.encode(on_gpu))), h.fingerprint)
     assert torch.equal(got.blocks.view(torch.uint8), h.blocks.view(torch.uint8))
+
+
+def test_a_stream_announces_its_last_layer_once_before_the_trailer():
+    """``on_layers`` (the decode engine's cue that the request joins soon) fires when every
+    position of the last layer is in: not at the first chunk's last layer, not at the
+    trailer."""
+    h = random_handle(layers=3, n_blocks=5)
+    fp, n = h.fingerprint, h.num_computed
+    kv = h.blocks.reshape(fp.num_layers, 2, -1, fp.num_kv_heads, fp.head_dim)
+    frames = [wire.stream_header("r", fp, n)]
+    seq = 0
+    for a, b in ((0, 8), (8, n)):  # two prompt chunks, each through every layer
+        for layer in range(fp.num_layers):
+            piece = KVPiece(layer, a, b, kv[layer, :, a:b].contiguous())
+            parts = wire.piece_frames(piece, seq, 0)
+            frames += parts
+            seq += len(parts)
+    frames.append(wire.stream_trailer(h, seq, 1000.0))
+    read: list[int] = []
+    calls: list[int] = []
+
+    def messages():
+        for i, f in enumerate(frames):
+            read.append(i)
+            yield f
+
+    got, _ = wire.decode_stream(messages(), fp, lambda: calls.append(read[-1]))
+    assert calls == [len(frames) - 2]  # right after the last piece, once
+    shape = (fp.num_layers, 2, -1, fp.num_kv_heads, fp.head_dim)
+    assert torch.equal(got.blocks.reshape(shape)[:, :, :n], kv[:, :, :n])

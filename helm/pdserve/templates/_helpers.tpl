@@ -142,6 +142,7 @@ kv_host_buffer_mb: {{ $s.kvHostBufferMb }}
 kv_pull_budget_mb: {{ $s.kvPullBudgetMb }}
 kv_stream_buffer_mb: {{ $s.kvStreamBufferMb }}
 kv_stream_stall_s: {{ $s.kvStreamStallS }}
+kv_join_wait_ms: {{ $s.kvJoinWaitMs }}
 request_timeout_s: {{ $s.requestTimeoutS }}
 resume_timeout_s: {{ $s.resumeTimeoutS }}
 shutdown_grace_s: {{ $s.shutdownGraceS }}
