@@ -67,6 +67,14 @@ class _RaySeries:
             tag_keys=("transport",),
         )
         self.hit_tokens = m.Gauge("pdserve_replica_prefix_hit_tokens", "prompt tokens reused")
+        self.join_waits = m.Gauge(
+            "pdserve_replica_join_waits",
+            "decode steps that waited for a request whose streamed KV was all in, so that it "
+            "joined them (kv_join_wait_ms)",
+        )
+        self.join_wait_s = m.Gauge(
+            "pdserve_replica_join_wait_seconds", "time decode steps waited for those requests"
+        )
         self.host_buffers = m.Gauge(
             "pdserve_replica_kv_host_buffer_bytes",
             "host buffers of KV transfers: in_use (held by transfers and handles) and free "
@@ -173,6 +181,12 @@ class ReplicaMetrics:
         g["prefill_tokens_queued"].set(s.prefill_tokens_queued)
         self._ray.prompt_tokens.set(s.prompt_tokens_computed)
         self._ray.hit_tokens.set(s.prefix_hit_tokens)
+
+    def set_join_waits(self, waits: int, seconds: float) -> None:
+        """The engine loop's waits for announced joins so far (``AsyncEngine.expect``)."""
+        if self._ray is not None:
+            self._ray.join_waits.set(waits)
+            self._ray.join_wait_s.set(seconds)
         pool = HOST_BUFFERS.stats()
         self._ray.host_buffers.set(pool.in_use_bytes, tags={"state": "in_use"})
         self._ray.host_buffers.set(pool.free_bytes, tags={"state": "free"})
