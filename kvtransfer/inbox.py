@@ -11,7 +11,7 @@ States of one receive, and who moves it::
     RECEIVING ──error / deadline / stall──> FAILED ──release handed over──> RELEASING ──> (gone)
 
 The release is sent on both paths (the sender frees or caches the blocks; its lease covers a
-release that is lost). ``receive`` hands it to the Inbox's release thread before it returns or
+release that is lost). ``receive`` hands it to the Inbox's release threads before it returns or
 raises, so a caller that stopped waiting (its request was cancelled) cannot skip it, but it
 does not wait for the round trip: the sender is a prefill replica whose core is busy with its
 next chunk, and its answer took 10.7 ms at the median, 21 ms at worst (the default ``pdserve
