@@ -3,10 +3,11 @@
 Invariants: the engine thread only appends to a deque (never waits on Redis); a background
 thread batches the events (one call per ``batch_s`` at most: a replica caches blocks all the
 time, a decode batch's rows each crossing a block every ``block_size`` steps, and a call per
-event kept the index's process and the replica's own GIL busy), refreshes the replica's lease
-every ``ttl_s / 3``, and after any
-index error, a lapsed lease or an index that lost its data (restarted) resynchronizes the replica's whole entry set from a snapshot (so a Redis outage
-leaves no stale or missing entries once Redis is back). Errors are logged and counted.
+event kept the index's process and the replica's own GIL busy; a ``flush`` or ``stop`` ends
+that wait), refreshes the replica's lease every ``ttl_s / 3``, and after any index error, a
+lapsed lease or an index that lost its data (restarted) resynchronizes the replica's whole
+entry set from a snapshot (so a Redis outage leaves no stale or missing entries once Redis is
+back). Errors are logged and counted.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class IndexPublisher:
         self._events: deque[tuple[int, bool, BlockHash]] = deque()  # (seq, added?, hash)
         self._published = 0  # highest seq written to the index
         self._wake = threading.Event()
-        self._flush = threading.Event()  # a flush waits: publish without batching
+        self._flush = threading.Event()  # a flush (or stop) waits: publish without batching
         self._stop = threading.Event()
         self._down = False  # in an outage (logged once per outage)
         self._needs_resync = True  # a new replica starts clean: drop, then publish what it has
@@ -77,6 +78,7 @@ class IndexPublisher:
 
     def stop(self) -> None:
         self._stop.set()
+        self._flush.set()
         self._wake.set()
         self._thread.join(timeout=5)
         try:
@@ -108,8 +110,9 @@ class IndexPublisher:
                 self._down = True
             self._wake.wait(timeout=max(0.0, beat_at - time.monotonic()))
             self._wake.clear()
-            if not self._flush.is_set():  # let the burst this wake began gather
-                self._stop.wait(self.batch_s)
+            # let the burst this wake began gather; a flush or stop cuts it short (a flush
+            # that lands after the wait is still served: the drain comes right after)
+            self._flush.wait(self.batch_s)
             self._flush.clear()
 
     def _resync(self) -> None:
