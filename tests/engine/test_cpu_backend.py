@@ -276,6 +276,26 @@ def test_prompt_attention_reads_bf16_and_int8_caches_on_every_simd_path(
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_prompt_attention_keeps_each_rows_softmax_to_its_own_scores(kv_dtype):
+    """Neighbouring query rows whose scores differ by far more than exp's range (|score| up
+    to about 0.01 against about 150, alternating, and rows that see only a few keys): each
+    row's running max, correction and sum must be its own (a row shifted by a neighbour's max
+    would overflow to inf or underflow to a zero sum). Queries exact in bf16 after the 1/8
+    scale, so the bf16 build's only rounding is its weights'; in fp32, scores near 150 carry
+    about 1e-5 of absolute rounding into exp, hence 1e-4."""
+    lib = library.load()
+    ctx, n = 150, 45
+    cache, table = _prompt_case(16, 64, ctx, seed=5, kv_dtype=kv_dtype)
+    scale = torch.tensor([1e-3 if i % 2 else 50.0 for i in range(n)])[:, None, None]
+    q = (torch.randn(n, 9, 64) * scale).bfloat16().float()
+    want = _sdpa64(cache, table, q, ctx, 0)
+    got = _run_prompt(lib, cache, table, q, ctx)
+    assert torch.isfinite(got).all()
+    tol = BF16_PRODUCTS_TOL if kv_dtype == "bfloat16" and BF16_PRODUCTS else 1e-4
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 def test_prompt_attention_gives_a_row_the_same_bits_however_the_prompt_is_chunked(kv_dtype):
     """Key blocks start at position 0 whatever the span: a prompt in one span, or as a prefix
     then the rest (chunked prefill, a prefix-cache hit), gives each row the same bits."""

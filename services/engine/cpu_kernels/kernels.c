@@ -952,6 +952,73 @@ static inline __attribute__((always_inline)) int softmax_block(
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* lane r of the result (r < PA_ROWS = 8) = the largest of x[r]'s 16 lanes: one transposing
+ * tree of shuffles for the tile's rows (max is exact: each row's maximum is the same number
+ * as its own reduction gives, whatever the other rows hold) */
+static inline __attribute__((always_inline)) __m512 rows_max8(const __m512 *x) {
+    __m512 u[4], v[2];
+    for (int i = 0; i < 4; i++) /* [row 2i: 8 lanes | row 2i + 1: 8] */
+        u[i] = _mm512_max_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++) /* [row 4i: 4 | 4i + 1: 4 | 4i + 2: 4 | 4i + 3: 4] */
+        v[i] = _mm512_max_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    /* 128-bit lane k: [row k: 2 | row k + 4: 2], then [row k, row k, row k + 4, row k + 4] */
+    const __m512 w = _mm512_max_ps(_mm512_shuffle_ps(v[0], v[1], 0x44), _mm512_shuffle_ps(v[0], v[1], 0xEE));
+    const __m512 z = _mm512_max_ps(w, _mm512_permute_ps(w, 0xB1));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0), z);
+}
+
+/* The online-softmax step of a tile's rows (row r at position pos0 + r, r < rows) over one
+ * block of PA_KEYS scores (s0: keys k0 .. k0 + 15, s1: the next 16; masked in place as in
+ * softmax_block), for the bf16 kernel: the rows' maxima in one tree (rows_max8), their
+ * correction factors in one exp512, and each row's sum kept as 16 partial sums (ls [PA_ROWS]
+ * [16], added up at the tile's end) rather than reduced per block. Each live row's weights go
+ * to w[r] as 16 pairs of bf16 (keys 2j, 2j + 1) and its factor to corr[r]; returns the live
+ * rows (those that see any key of the block) in live[]. A row's arithmetic depends on its own
+ * scores alone. */
+static inline __attribute__((always_inline)) int softmax_tile(
+    __m512 *s0, __m512 *s1, int rows, int k0, int pos0, int window, float *restrict mr,
+    float *restrict ls, uint32_t (*w)[16], float *restrict corr, int *live) {
+    __m512 x[PA_ROWS];
+    for (int r = 0; r < PA_ROWS; r++) {
+        const int pos = pos0 + r, lo = window > 0 ? pos - window + 1 : 0;
+        if (r < rows && (k0 + PA_KEYS - 1 > pos || k0 < lo)) { /* a block the row sees in part */
+            const __m512i k = _mm512_add_epi32(_mm512_set1_epi32(k0),
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+            const __m512i k16 = _mm512_add_epi32(k, _mm512_set1_epi32(16));
+            const __m512i pv = _mm512_set1_epi32(pos), lv = _mm512_set1_epi32(lo);
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            s0[r] = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k, pv) & _mm512_cmpge_epi32_mask(k, lv), s0[r]);
+            s1[r] = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(k16, pv) & _mm512_cmpge_epi32_mask(k16, lv), s1[r]);
+        }
+        x[r] = _mm512_max_ps(s0[r], s1[r]);
+    }
+    float m[16], d[16] = {0}, c[16];
+    _mm512_storeu_ps(m, rows_max8(x));
+    int nlive = 0;
+    for (int r = 0; r < rows; r++) {
+        if (m[r] == -INFINITY) continue; /* nothing to attend in this block */
+        live[nlive++] = r;
+        const float m_new = m[r] > mr[r] ? m[r] : mr[r];
+        d[r] = mr[r] == -INFINITY ? 0.f : mr[r] - m_new;
+        m[r] = m_new;
+    }
+    if (nlive == 0) return 0;
+    _mm512_storeu_ps(c, exp512(_mm512_loadu_ps(d)));
+    for (int i = 0; i < nlive; i++) {
+        const int r = live[i];
+        corr[r] = mr[r] == -INFINITY ? 0.f : c[r];
+        mr[r] = m[r];
+        const __m512 mv = _mm512_set1_ps(m[r]);
+        const __m512 e0 = exp512(_mm512_sub_ps(s0[r], mv)), e1 = exp512(_mm512_sub_ps(s1[r], mv));
+        _mm512_storeu_ps(ls + r * 16, _mm512_fmadd_ps(_mm512_loadu_ps(ls + r * 16),
+                                                      _mm512_set1_ps(corr[r]), _mm512_add_ps(e0, e1)));
+        _mm512_storeu_si512(w[r], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    return nlive;
+}
+
 /* The prompt kernel over a bf16 cache on CPUs with AVX512-BF16: the same tiles, blocks, masks
  * and online softmax, with both products as bf16 dot products (vdpbf16ps: pairs of bf16
  * products summed into fp32 lanes, twice the fp32 FMA's rate). The scaled queries and the
@@ -973,6 +1040,7 @@ static inline __attribute__((always_inline)) void prompt_attention_bf16(
     uint32_t *qs = vv + padded / 2 * D;
     float *acc = (float *)(qs + (int64_t)G * PA_ROWS * P);
     float *mx = acc + (int64_t)G * PA_ROWS * D, *sum = mx + G * PA_ROWS;
+    float *ls = sum + G * PA_ROWS; /* [G][PA_ROWS][16]: each row's softmax sum, per lane */
     for (int g = 0; g < KVH; g++) {
         const uint8_t *kc = k_cache + (int64_t)g * num_slots * R, *vc = v_cache + (int64_t)g * num_slots * R;
         for (int64_t j0 = 0; j0 < padded; j0 += PA_KEYS) {
@@ -999,7 +1067,7 @@ static inline __attribute__((always_inline)) void prompt_attention_bf16(
                                                | (uint32_t)f32_to_bf16(src[2 * i + 1] * scale) << 16
                                          : 0u;
                     mx[h * PA_ROWS + r] = -INFINITY;
-                    sum[h * PA_ROWS + r] = 0.f;
+                    memset(ls + ((int64_t)h * PA_ROWS + r) * 16, 0, sizeof(float) * 16);
                     memset(acc + ((int64_t)h * PA_ROWS + r) * D, 0, sizeof(float) * D);
                 }
             for (int k0 = first / PA_KEYS * PA_KEYS; k0 <= last; k0 += PA_KEYS) {
@@ -1022,16 +1090,9 @@ static inline __attribute__((always_inline)) void prompt_attention_bf16(
                      * order as alone, twice the independent chains, each value load used twice */
                     uint32_t w[PA_ROWS][16];
                     float corr[PA_ROWS];
-                    int live[PA_ROWS], nlive = 0;
-                    for (int r = 0; r < rows; r++) {
-                        const int pos = start + t0 + r;
-                        const int lo = window > 0 ? pos - window + 1 : 0;
-                        float *mr = mx + h * PA_ROWS + r, *lr = sum + h * PA_ROWS + r;
-                        __m512 e0, e1;
-                        if (!softmax_block(s0[r], s1[r], k0, pos, lo, mr, lr, &e0, &e1, &corr[r])) continue;
-                        _mm512_storeu_si512(w[r], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-                        live[nlive++] = r;
-                    }
+                    int live[PA_ROWS];
+                    const int nlive = softmax_tile(s0, s1, rows, k0, start + t0, window, mx + h * PA_ROWS,
+                                                   ls + (int64_t)h * PA_ROWS * 16, w, corr, live);
                     const uint32_t *vb = vv + (int64_t)k0 / 2 * D;
                     for (int i = 0; i < nlive; i += 2) {
                         const int ra = live[i], rb = i + 1 < nlive ? live[i + 1] : -1;
@@ -1067,6 +1128,9 @@ static inline __attribute__((always_inline)) void prompt_attention_bf16(
                     }
                 }
             }
+            for (int h = 0; h < G; h++)
+                for (int r = 0; r < rows; r++)
+                    sum[h * PA_ROWS + r] = _mm512_reduce_add_ps(_mm512_loadu_ps(ls + ((int64_t)h * PA_ROWS + r) * 16));
             prompt_tile_out(acc, sum, rows, t0, g, G, H, D, out);
         }
     }
