@@ -1037,8 +1037,9 @@ static inline __attribute__((always_inline)) int softmax_tile(
     return nlive;
 }
 
-/* The prompt kernel over a bf16 cache on CPUs with AVX512-BF16: the same tiles, blocks, masks
- * and online softmax, with both products as bf16 dot products (vdpbf16ps: pairs of bf16
+/* The prompt kernel over a bf16 cache on CPUs with AVX512-BF16: the same tiles, blocks and
+ * masks, the online softmax a tile at a time (softmax_tile: the weights' exp to ~3e-6, each
+ * row's sum in 16 lanes), with both products as bf16 dot products (vdpbf16ps: pairs of bf16
  * products summed into fp32 lanes, twice the fp32 FMA's rate). The scaled queries and the
  * softmax weights are rounded to bf16 (nearest even) for the products, as SDPA's bf16 kernel
  * rounds them; scores, the running max and sum, and the output accumulate in fp32.
