@@ -886,7 +886,8 @@ void pdserve_decode_attention(const float *restrict q, const uint8_t *restrict k
 int64_t pdserve_prompt_attention_scratch(int ctx, int H, int KVH, int D) {
     const int64_t padded = ((int64_t)ctx + PA_KEYS - 1) / PA_KEYS * PA_KEYS;
     const int64_t G = H / KVH;
-    return 2 * padded * D + G * PA_ROWS * (2 * (int64_t)D + 2) + PA_ROWS * PA_KEYS
+    /* NOTE: + G * PA_ROWS * 16: the bf16 kernel's per-lane softmax sums (softmax_tile) */
+    return 2 * padded * D + G * PA_ROWS * (2 * (int64_t)D + 2 + 16) + PA_ROWS * PA_KEYS
            + (int64_t)PA_KEYS * D + 64;
 }
 
@@ -968,6 +969,8 @@ static inline __attribute__((always_inline)) __m512 exp512_weights(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_maskz_scalef_ps(~under, p, n);
 }
+
+_Static_assert(PA_ROWS == 8, "rows_max8 reduces a tile of 8 rows");
 
 /* lane r of the result (r < PA_ROWS = 8) = the largest of x[r]'s 16 lanes: one transposing
  * tree of shuffles for the tile's rows (max is exact: each row's maximum is the same number
