@@ -27,7 +27,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -35,6 +34,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_bench import best_of
 
 from services.engine.cpu_kernels import library
 
@@ -104,16 +106,6 @@ def instruction_rates() -> dict[str, float]:
     return {name: float(rate) for name, rate in (line.split() for line in out.splitlines())}
 
 
-def best_of(fn, repeats: int = 10) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def onednn_bf16(rows: int) -> dict[str, float]:
     """GFLOP/s of oneDNN's packed bf16 GEMM (pdserve's prompt path) per linear shape."""
     from services.engine.packed_gemm import PackedGemm
@@ -122,7 +114,8 @@ def onednn_bf16(rows: int) -> dict[str, float]:
     for name, (k, n) in SHAPES.items():
         packed = PackedGemm(torch.randn(n, k) * 0.05, torch.bfloat16)
         x = torch.randn(rows, k).bfloat16()
-        s = best_of(lambda p=packed, x=x: p(x, None, invariant=False))
+        packed(x, None, invariant=False)  # warm-up
+        s = best_of(lambda p=packed, x=x: p(x, None, invariant=False), 10)
         out[name] = 2 * rows * k * n / s / 1e9
     return out
 
