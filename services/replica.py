@@ -163,8 +163,7 @@ class EngineReplica:
         the engine lock (the snapshot is at most one step old). ``doctor``: what this engine
         is and what its steps cost, for the gateway's ``/pdserve/doctor``."""
         s = self.engine.last_stats
-        self.metrics.set_gauges(s)
-        self.metrics.set_join_waits(self.engine.join_waits, self.engine.join_wait_s)
+        self.metrics.set_gauges(s, self.engine.join_waits, self.engine.join_wait_s)
         return {
             "num_running": s.num_running + s.num_waiting,  # the router's load
             "running": s.num_running,  # the gateway's vllm:num_requests_running

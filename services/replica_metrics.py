@@ -170,7 +170,9 @@ class ReplicaMetrics:
             "kv_usage": s.blocks_used / max(1, s.blocks_total),
         }
 
-    def set_gauges(self, s: EngineStats) -> None:
+    def set_gauges(self, s: EngineStats, join_waits: int = 0, join_wait_s: float = 0.0) -> None:
+        """``join_waits`` / ``join_wait_s``: the engine loop's waits for announced joins so
+        far (``AsyncEngine.expect``)."""
         if self._ray is None:
             return
         g = self._ray.gauges
@@ -181,12 +183,8 @@ class ReplicaMetrics:
         g["prefill_tokens_queued"].set(s.prefill_tokens_queued)
         self._ray.prompt_tokens.set(s.prompt_tokens_computed)
         self._ray.hit_tokens.set(s.prefix_hit_tokens)
-
-    def set_join_waits(self, waits: int, seconds: float) -> None:
-        """The engine loop's waits for announced joins so far (``AsyncEngine.expect``)."""
-        if self._ray is not None:
-            self._ray.join_waits.set(waits)
-            self._ray.join_wait_s.set(seconds)
+        self._ray.join_waits.set(join_waits)
+        self._ray.join_wait_s.set(join_wait_s)
         pool = HOST_BUFFERS.stats()
         self._ray.host_buffers.set(pool.in_use_bytes, tags={"state": "in_use"})
         self._ray.host_buffers.set(pool.free_bytes, tags={"state": "free"})
