@@ -11,10 +11,10 @@ themselves, with no library in between: a C loop of 12 independent accumulator c
     kernels' instruction),
   - ``vfmadd231ps`` (fp32 FMA, 32 FLOP),
 on zmm registers, built for this CPU with the host's compiler. Then oneDNN's packed bf16 GEMM
-(the prompt path) on SmolLM2-135M's four linear shapes at 512 rows, as a fraction of the
-bf16 peak, and the 512-token prompt's floors at each peak: the decoder's linears
-(2 x 106.2M parameters x 512 tokens) and causal attention (4 x heads x head_dim per query-key
-pair, 30 layers).
+(the prompt path) on the default model's four linear shapes (SmolLM2-135M's, read from its
+config) at 512 rows, as a fraction of the bf16 peak, and the 512-token prompt's floors at each
+peak: the decoder's linears (2 x its linear parameters x 512 tokens) and causal attention
+(4 x heads x head_dim per query-key pair, every layer).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/peak_rates.py [--json out.json]
 """
@@ -40,14 +40,22 @@ from engine_bench import best_of
 
 from services.engine.cpu_kernels import library
 
-# SmolLM2-135M: hidden 576, intermediate 1536, 9 query heads and 3 KV heads of 64, 30 layers
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 576, 1536, 9, 3, 64, 30
-SHAPES = {  # name: (in, out)
-    "qkv": (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM),
-    "o": (HIDDEN, HIDDEN),
-    "gate_up": (HIDDEN, 2 * INTER),
-    "down": (INTER, HIDDEN),
-}
+
+def model_shapes() -> tuple[dict[str, tuple[int, int]], int, int, int]:
+    """The embedded default model's linear shapes (name: (in, out)), heads, head_dim and
+    layers, from its own config."""
+    from services.engine.loader import read_model_config, resolve_model
+
+    mc = read_model_config(resolve_model(None, weights=False)[0])
+    shapes = {
+        "qkv": (mc.hidden_size, (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim),
+        "o": (mc.num_heads * mc.head_dim, mc.hidden_size),
+        "gate_up": (mc.hidden_size, 2 * mc.intermediate_size),
+        "down": (mc.intermediate_size, mc.hidden_size),
+    }
+    return shapes, mc.num_heads, mc.head_dim, mc.num_layers
+
+
 # instruction, ops per zmm instruction
 INSTRUCTIONS = {"vdpbf16ps": 64, "vpdpbusd": 128, "vpdpwssd": 64, "vfmadd231ps": 32}
 
@@ -106,12 +114,12 @@ def instruction_rates() -> dict[str, float]:
     return {name: float(rate) for name, rate in (line.split() for line in out.splitlines())}
 
 
-def onednn_bf16(rows: int) -> dict[str, float]:
+def onednn_bf16(rows: int, shapes: dict[str, tuple[int, int]]) -> dict[str, float]:
     """GFLOP/s of oneDNN's packed bf16 GEMM (pdserve's prompt path) per linear shape."""
     from services.engine.packed_gemm import PackedGemm
 
     out = {}
-    for name, (k, n) in SHAPES.items():
+    for name, (k, n) in shapes.items():
         packed = PackedGemm(torch.randn(n, k) * 0.05, torch.bfloat16)
         x = torch.randn(rows, k).bfloat16()
         packed(x, None, invariant=False)  # warm-up
@@ -132,8 +140,9 @@ def main() -> None:
         print(f"  {i:12s} {r / 1e9:5.2f}  {peaks[i]:7.1f}")
     res: dict[str, object] = {"instructions_per_s": rates, "peak_gops": peaks}
     n = args.tokens
-    linear_flop = 2 * n * LAYERS * sum(k * o for k, o in SHAPES.values())
-    attention_flop = 4 * HEADS * HEAD_DIM * n * (n + 1) / 2 * LAYERS
+    shapes, heads, head_dim, layers = model_shapes()
+    linear_flop = 2 * n * layers * sum(k * o for k, o in shapes.values())
+    attention_flop = 4 * heads * head_dim * n * (n + 1) / 2 * layers
     res["prompt"] = {"tokens": n, "linear_gflop": linear_flop / 1e9}
     res["prompt"]["attention_gflop"] = attention_flop / 1e9  # type: ignore[index]
     print(
@@ -146,14 +155,14 @@ def main() -> None:
             res["prompt"][f"floor_ms_{i}"] = ms  # type: ignore[index]
             print(f"  floor at the {i} peak: {ms:.0f} ms (linears and attention, nothing else)")
     if "vdpbf16ps" in peaks:
-        gemm = onednn_bf16(n)
+        gemm = onednn_bf16(n, shapes)
         res["onednn_bf16_gflops"] = gemm
         print(f"oneDNN packed bf16 GEMM at {n} rows (GFLOP/s, share of the vdpbf16ps peak):")
         for name, g in gemm.items():
-            k, o = SHAPES[name]
+            k, o = shapes[name]
             print(f"  {name:8s} {k:5d} x {o:5d}  {g:6.1f}  {g / peaks['vdpbf16ps']:5.1%}")
         linears_ms = sum(
-            2 * n * LAYERS * k * o / gemm[name] / 1e6 for name, (k, o) in SHAPES.items()
+            2 * n * layers * k * o / gemm[name] / 1e6 for name, (k, o) in shapes.items()
         )
         res["prompt"]["onednn_linears_ms"] = linears_ms  # type: ignore[index]
         print(f"  the prompt's linears at these rates: {linears_ms:.0f} ms")
