@@ -23,6 +23,8 @@ FINE, LOOK, UNKNOWN = "fine", "look here", "unknown"
 _NEEDS_CLUSTER = "needs a live pdserve cluster (GET /pdserve/doctor)"
 # bytes per weight of each precision pdserve serves (Q8_0: 34 bytes a block of 32; Q4_0: 18)
 PRECISION_BYTES = {"bf16": 2.0, "int8": 34 / 32, "int4": 18 / 32}
+# a CPU engine thread that runs for less of its steps' wall time than this waits for its cores
+CPU_SHARE_LOW = 0.75
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,16 @@ def _step_s(ev: Evidence, with_prompt: bool) -> dict[int, float]:
         for b in ev.steps("decode")
         if b["with_prompt"] == with_prompt and b["rows"]
     }
+
+
+def _cpu_share(ev: Evidence, prof: dict[str, Any] | None) -> float:
+    """The decode engine threads' CPU time over their decode steps' wall time. NaN on a GPU
+    (there a step waits for the device, not for a core) or where a replica does not report it."""
+    if prof is None or not str(prof.get("device", "cpu")).startswith("cpu"):
+        return math.nan
+    steps = [b for b in ev.steps("decode") if b["rows"]]
+    wall = sum(b["seconds"] for b in steps)
+    return sum(b["cpu_seconds"] for b in steps) / wall if wall > 0 else math.nan
 
 
 def _p(xs: list[float], p: float) -> float:
@@ -224,6 +236,7 @@ def _itl(ev: Evidence, slo: Slo) -> Answer:
     n_mixed = sum(b["steps"] for b in steps if b["with_prompt"] and b["rows"])
     n_decode = sum(b["steps"] for b in steps if b["rows"])
     fig["decode_steps_with_prompt_share"] = n_mixed / n_decode if n_decode else math.nan
+    share = fig["decode_engine_cpu_share"] = _cpu_share(ev, prof)
     if not tpot:
         return Answer(3, q, UNKNOWN, fig, "no request with two tokens or more to measure")
     if fig["tpot_p90_s"] <= slo.tpot_s:
@@ -237,6 +250,16 @@ def _itl(ev: Evidence, slo: Slo) -> Answer:
             "disaggregate (mode: disaggregated, or a conditional_threshold below the long "
             "prompts), or lower max_num_batched_tokens to cap each chunk"
             + _quote(mode_comparison(ev, slo)),
+        )  # fmt: skip
+    if share < CPU_SHARE_LOW:  # NOTE: before the step-time checks: a starved step looks slow
+        return Answer(
+            3, q, LOOK, fig,
+            f"the decode engine's thread ran for {share:.0%} of its steps' wall time: the rest "
+            "it waited for a core that other threads or processes hold (the gateway, Ray, a "
+            "prefill replica or anything else on the decode pool's cores)",
+            "give the decode pool cores of its own (decode.cpus; a one-host pdserve serve "
+            "splits the cores between the pools) and keep other processes off them, or add a "
+            "decode replica on cores of its own",
         )  # fmt: skip
     biggest = max(pure) if pure else 0
     if pure and pure[biggest] > slo.tpot_s:

@@ -5,6 +5,7 @@ the client (a short probe load the doctor sends itself, or a ``pdserve bench`` r
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,9 +55,11 @@ class Evidence:
             for b in rep["steps"]:
                 key = (b["rows"], b["with_prompt"])
                 m = merged.setdefault(key, {**b, "steps": 0, "seconds": 0.0, "decode_rows": 0,
-                                            "prompt_tokens": 0})  # fmt: skip
+                                            "prompt_tokens": 0, "cpu_seconds": 0.0})  # fmt: skip
                 for k in ("steps", "seconds", "decode_rows", "prompt_tokens"):
                     m[k] += b[k]
+                # NOTE: NaN from a replica that does not report it (an older build): unknown
+                m["cpu_seconds"] += b.get("cpu_seconds", math.nan)
         return [merged[k] for k in sorted(merged)]
 
     def stat(self, pool: str, name: str) -> float:

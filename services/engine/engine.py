@@ -404,6 +404,8 @@ class Engine:
             return outputs
         self._num_steps += 1
         now = step_start = time.perf_counter()
+        cpu_start = time.thread_time()  # NOTE: this thread's CPU: the step's wall time less
+        # the time it waited for a core (or, on a GPU, for the device)
         for s in sched.spans:
             if s.request.timings.first_scheduled is None:
                 s.request.timings.first_scheduled = now
@@ -452,7 +454,9 @@ class Engine:
             )
         now = time.perf_counter()
         decoding = sum(1 for s in sched.spans if s.start >= s.request.num_prompt)
-        self.step_log.record(decoding, prompt_tokens, now - step_start)
+        self.step_log.record(
+            decoding, prompt_tokens, now - step_start, time.thread_time() - cpu_start
+        )
         row = 0
         for s, n in sampling:
             if id(s) in failed:  # fails alone: its blocks are freed, its batch goes on

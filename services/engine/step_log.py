@@ -2,9 +2,11 @@
 questions on ITL against batch size and on prefill chunks stalling decodes.
 
 Steps are counted by (decode rows, rounded up to a power of two; whether a prompt chunk rode
-along). Each bucket keeps its step count, total seconds, decode rows and prompt tokens, so a
-reader gets the mean step time of pure-decode steps at each batch size and what a prompt chunk
-adds to them. Invariant: written by the engine thread only; a snapshot is a plain copy made
+along). Each bucket keeps its step count, total seconds, decode rows, prompt tokens and the
+engine thread's CPU seconds in those steps, so a reader gets the mean step time of pure-decode
+steps at each batch size, what a prompt chunk adds to them, and how much of a step's wall time
+the engine thread actually ran (on a CPU engine the rest is time waiting for a core that other
+threads or processes hold: a starved engine, not a slow one). Invariant: written by the engine thread only; a snapshot is a plain copy made
 under the GIL (the bucket dict's values are replaced whole, never mutated), so any thread may
 take one without the engine lock.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-Bucket = tuple[int, float, int, int]  # steps, seconds, decode rows, prompt tokens
+Bucket = tuple[int, float, int, int, float]  # steps, seconds, decode rows, prompt tokens, CPU s
 
 
 def rows_bucket(rows: int) -> int:
@@ -25,14 +27,23 @@ class StepLog:
     def __init__(self) -> None:
         self._buckets: dict[tuple[int, bool], Bucket] = {}
 
-    def record(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
+    def record(
+        self, decode_rows: int, prompt_tokens: int, seconds: float, cpu_seconds: float
+    ) -> None:
+        """``cpu_seconds``: the engine thread's CPU time in the step (``time.thread_time``)."""
         key = (rows_bucket(decode_rows), prompt_tokens > 0)
-        n, s, r, p = self._buckets.get(key, (0, 0.0, 0, 0))
-        self._buckets[key] = (n + 1, s + seconds, r + decode_rows, p + prompt_tokens)
+        n, s, r, p, c = self._buckets.get(key, (0, 0.0, 0, 0, 0.0))
+        self._buckets[key] = (
+            n + 1,
+            s + seconds,
+            r + decode_rows,
+            p + prompt_tokens,
+            c + cpu_seconds,
+        )
 
     def snapshot(self) -> list[dict[str, Any]]:
         """One entry per bucket: ``rows`` (bucket), ``with_prompt``, ``steps``, ``seconds``,
-        ``decode_rows``, ``prompt_tokens`` (totals)."""
+        ``decode_rows``, ``prompt_tokens``, ``cpu_seconds`` (totals)."""
         return [
             {
                 "rows": rows,
@@ -41,6 +52,7 @@ class StepLog:
                 "seconds": s,
                 "decode_rows": r,
                 "prompt_tokens": p,
+                "cpu_seconds": c,
             }
-            for (rows, with_prompt), (n, s, r, p) in sorted(dict(self._buckets).items())
+            for (rows, with_prompt), (n, s, r, p, c) in sorted(dict(self._buckets).items())
         ]

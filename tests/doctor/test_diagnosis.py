@@ -3,6 +3,7 @@ healthy cluster (``services.doctor.diagnosis``, pure)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -30,9 +31,12 @@ def _replica(pool: str, steps: list[dict[str, Any]], **stats: float) -> dict[str
     return {"identity": f"{pool}-x", "profile": profile, "stats": base, "steps": steps}
 
 
-def _bucket(rows: int, with_prompt: bool, steps: int, step_s: float, chunk: int = 0):
+def _bucket(rows: int, with_prompt: bool, steps: int, step_s: float, chunk: int = 0,
+            cpu: float = 0.97):  # fmt: skip
+    """``cpu``: the share of the steps' wall time the engine thread ran."""
     return {"rows": rows, "with_prompt": with_prompt, "steps": steps, "seconds": steps * step_s,
-            "decode_rows": rows * steps, "prompt_tokens": chunk * steps}  # fmt: skip
+            "decode_rows": rows * steps, "prompt_tokens": chunk * steps,
+            "cpu_seconds": cpu * steps * step_s}  # fmt: skip
 
 
 def _record(ttft=0.3, tpot=0.03, out=32, prompt=256, queue=0.05, prefill=0.15, kv=0.02):
@@ -82,6 +86,26 @@ def test_one_decode_replica_under_heavy_decode_load():
     a = answers[2]
     assert a.verdict == LOOK and "add a decode replica" in a.action and "64 rows" in a.cause
     assert answers[1].verdict == FINE  # TTFT is not the problem
+
+
+def test_a_decode_engine_that_waits_for_its_cores():
+    """Steps of the right size whose thread ran half their wall time: the decode pool shares
+    its cores; on a GPU the same share is the device's time and no finding."""
+    starved = [_bucket(1, False, 50, 0.02, cpu=0.5), _bucket(4, False, 200, 0.12, cpu=0.5)]
+    slow = [_record(tpot=0.12) for _ in range(20)]
+    a = diagnose(_evidence(records=slow, decode=_replica("decode", starved)), SLO)[2]
+    assert a.verdict == LOOK and "ran for 50% of its steps' wall time" in a.cause, a.cause
+    assert "decode.cpus" in a.action
+    assert a.figures["decode_engine_cpu_share"] == pytest.approx(0.5)
+    on_gpu = _replica("decode", starved)
+    on_gpu["profile"]["device"] = "cuda:0"
+    a = diagnose(_evidence(records=slow, decode=on_gpu), SLO)[2]
+    assert "a decode step of 4 rows takes 120 ms" in a.cause, a.cause  # the next finding
+    assert math.isnan(a.figures["decode_engine_cpu_share"])
+    # a replica that does not report the engine thread's CPU time: unknown, no finding
+    old = _replica("decode", [{k: v for k, v in b.items() if k != "cpu_seconds"} for b in starved])
+    a = diagnose(_evidence(records=slow, decode=old), SLO)[2]
+    assert "ran for" not in a.cause and math.isnan(a.figures["decode_engine_cpu_share"])
 
 
 def test_a_chunk_budget_that_lets_long_prefills_stall_decodes():
