@@ -3,7 +3,9 @@
 Starts ``pdserve serve`` (every default; only the ports moved) from each given source tree in
 turn, waits for /health, sends ``--requests`` random prompts of ``--prompt-tokens`` tokens for
 ``--output-tokens`` tokens each (ignore_eos), ``--concurrency`` at a time (closed loop, streamed
-over HTTP), and reports output tokens/s, TTFT p50/p99 and ITL p50/p99 at the client; then stops
+over HTTP), and reports output tokens/s, TTFT p50/p99 and ITL p50/p99 at the client, and the
+decode replicas' mean step and the share of it their engine thread ran (from the replicas'
+step logs, ``GET /pdserve/doctor``: the rest it waited for a core); then stops
 that server (SIGINT to the process it started) before the next tree. ``--cpu``: the CPU seconds
 each of the server's processes (by title) spent during the measured load, from /proc. Comparing
 trees in one run
@@ -60,6 +62,38 @@ def wait_healthy(base: str, proc: subprocess.Popen, deadline_s: float = 300) -> 
             pass
         time.sleep(1)  # polling a server we started; not test synchronization
     raise TimeoutError("pdserve serve did not become healthy")
+
+
+Steps = tuple[int, float, float]
+
+
+def decode_steps(base: str) -> Steps:
+    """The decode pool's steps with decode rows so far: (count, wall seconds, the engine
+    threads' CPU seconds), from the replicas' reports (``GET /pdserve/doctor``; NaN seconds
+    from a tree that does not report them)."""
+    r = httpx.get(f"{base}/pdserve/doctor", timeout=10)
+    if r.status_code != 200:
+        return (0, float("nan"), float("nan"))
+    pools = r.json()["pools"]
+    steps = [b for rep in pools.get("decode", ()) for b in rep["steps"] if b["rows"]]
+    return (
+        sum(b["steps"] for b in steps),
+        sum(b["seconds"] for b in steps),
+        sum(b.get("cpu_seconds", float("nan")) for b in steps),
+    )
+
+
+def settled_decode_steps(base: str, before: Steps) -> Steps:
+    """``decode_steps`` once the replicas' reports (a routing-stats period old at most) show
+    the load's steps: the count moved past ``before`` and held still for one read."""
+    last, deadline = decode_steps(base), time.monotonic() + 15
+    while last[0] and time.monotonic() < deadline:
+        time.sleep(1.0)  # the reports' period; polling a server, not test synchronization
+        now = decode_steps(base)
+        if now[0] == last[0] and now[0] > before[0]:
+            return now
+        last = now
+    return last
 
 
 def descendants(root: int) -> list[int]:
@@ -126,7 +160,9 @@ def measure(tree: Path, args: argparse.Namespace, prompts: list[list[int]]) -> d
             url = f"{base}/v1/completions"
             asyncio.run(load(url, prompts[:2], 4, 2))  # warm-up
             before = cpu_times(proc.pid) if args.cpu else {}
+            steps0 = decode_steps(base)
             results, wall = asyncio.run(load(url, prompts, args.output_tokens, args.concurrency))
+            steps1 = settled_decode_steps(base, steps0)
             if args.cpu:
                 spent = cpu_spent(before, cpu_times(proc.pid))
                 print(f"CPU seconds over the {wall:.1f} s load (2 cores: {2 * wall:.1f}):")
@@ -156,6 +192,10 @@ def measure(tree: Path, args: argparse.Namespace, prompts: list[list[int]]) -> d
         "first_gap_p99": pct(first, 99),
         "later_itl_p50": pct(rest, 50),
         "later_itl_p99": pct(rest, 99),
+        # the share of its decode steps' wall time the decode engine's thread ran (the rest it
+        # waited for a core): a step's CPU time barely moves with the load; its wait does
+        "decode_engine_cpu_share": (steps1[2] - steps0[2]) / max(1e-9, steps1[1] - steps0[1]),
+        "decode_step_ms": 1e3 * (steps1[1] - steps0[1]) / max(1, steps1[0] - steps0[0]),
     }
     print(
         f"{tree}: {row['tok_per_s']:.1f} output tok/s, TTFT p50 {row['ttft_p50']:.2f} s "
@@ -163,7 +203,8 @@ def measure(tree: Path, args: argparse.Namespace, prompts: list[list[int]]) -> d
         f"p99 {row['itl_p99'] * 1e3:.0f} ms (p99/p50 {row['itl_p99'] / row['itl_p50']:.1f}x); "
         f"first gap p50 {row['first_gap_p50'] * 1e3:.0f} ms p99 {row['first_gap_p99'] * 1e3:.0f} "
         f"ms, later gaps p50 {row['later_itl_p50'] * 1e3:.0f} ms p99 "
-        f"{row['later_itl_p99'] * 1e3:.0f} ms",
+        f"{row['later_itl_p99'] * 1e3:.0f} ms; decode steps {row['decode_step_ms']:.1f} ms, "
+        f"their thread ran {row['decode_engine_cpu_share']:.0%} of it",
         flush=True,
     )
     return row
