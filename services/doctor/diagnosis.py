@@ -23,7 +23,7 @@ FINE, LOOK, UNKNOWN = "fine", "look here", "unknown"
 _NEEDS_CLUSTER = "needs a live pdserve cluster (GET /pdserve/doctor)"
 # bytes per weight of each precision pdserve serves (Q8_0: 34 bytes a block of 32; Q4_0: 18)
 PRECISION_BYTES = {"bf16": 2.0, "int8": 34 / 32, "int4": 18 / 32}
-# a CPU engine thread that runs for less of its steps' wall time than this waits for its cores
+# a CPU engine thread that runs for less of its steps' wall time than this is starved
 CPU_SHARE_LOW = 0.75
 
 
@@ -255,8 +255,8 @@ def _itl(ev: Evidence, slo: Slo) -> Answer:
         return Answer(
             3, q, LOOK, fig,
             f"the decode engine's thread ran for {share:.0%} of its steps' wall time: the rest "
-            "it waited for a core that other threads or processes hold (the gateway, Ray, a "
-            "prefill replica or anything else on the decode pool's cores)",
+            "it waited, for a core that other threads or processes hold (the gateway, Ray, a "
+            "prefill replica, anything else on the decode pool's cores) or for the GIL",
             "give the decode pool cores of its own (decode.cpus; a one-host pdserve serve "
             "splits the cores between the pools) and keep other processes off them, or add a "
             "decode replica on cores of its own",

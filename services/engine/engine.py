@@ -404,8 +404,9 @@ class Engine:
             return outputs
         self._num_steps += 1
         now = step_start = time.perf_counter()
-        cpu_start = time.thread_time()  # NOTE: this thread's CPU: the step's wall time less
-        # the time it waited for a core (or, on a GPU, for the device)
+        # NOTE: this thread's CPU time: the step's wall time less what it waited for (a core,
+        # the GIL, or on a GPU the device)
+        cpu_start = time.thread_time()
         for s in sched.spans:
             if s.request.timings.first_scheduled is None:
                 s.request.timings.first_scheduled = now

@@ -5,10 +5,12 @@ Steps are counted by (decode rows, rounded up to a power of two; whether a promp
 along). Each bucket keeps its step count, total seconds, decode rows, prompt tokens and the
 engine thread's CPU seconds in those steps, so a reader gets the mean step time of pure-decode
 steps at each batch size, what a prompt chunk adds to them, and how much of a step's wall time
-the engine thread actually ran (on a CPU engine the rest is time waiting for a core that other
-threads or processes hold: a starved engine, not a slow one). Invariant: written by the engine thread only; a snapshot is a plain copy made
-under the GIL (the bucket dict's values are replaced whole, never mutated), so any thread may
-take one without the engine lock.
+the engine thread actually ran (on a CPU engine the rest is time it waited: for a core that
+other threads or processes hold, or for the GIL; a starved engine, not a slow one).
+
+Invariant: written by the engine thread only; a snapshot is a plain copy made under the GIL
+(the bucket dict's values are replaced whole, never mutated), so any thread may take one
+without the engine lock.
 """
 
 from __future__ import annotations
