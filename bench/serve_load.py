@@ -34,6 +34,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from serving_bench import one, pct
 
+from services.doctor.evidence import Evidence
+
 
 async def load(
     url: str, prompts: list[list[int]], n_out: int, concurrency: int
@@ -74,12 +76,11 @@ def decode_steps(base: str) -> Steps:
     r = httpx.get(f"{base}/pdserve/doctor", timeout=10)
     if r.status_code != 200:
         return (0, float("nan"), float("nan"))
-    pools = r.json()["pools"]
-    steps = [b for rep in pools.get("decode", ()) for b in rep["steps"] if b["rows"]]
+    steps = [b for b in Evidence("serve_load", r.json()).steps("decode") if b["rows"]]
     return (
         sum(b["steps"] for b in steps),
         sum(b["seconds"] for b in steps),
-        sum(b.get("cpu_seconds", float("nan")) for b in steps),
+        sum(b["cpu_seconds"] for b in steps),
     )
 
 

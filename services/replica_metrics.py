@@ -170,7 +170,7 @@ class ReplicaMetrics:
             "kv_usage": s.blocks_used / max(1, s.blocks_total),
         }
 
-    def set_gauges(self, s: EngineStats, join_waits: int = 0, join_wait_s: float = 0.0) -> None:
+    def set_gauges(self, s: EngineStats, join_waits: int, join_wait_s: float) -> None:
         """``join_waits`` / ``join_wait_s``: the engine loop's waits for announced joins so
         far (``AsyncEngine.expect``)."""
         if self._ray is None:

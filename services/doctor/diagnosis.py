@@ -51,12 +51,13 @@ def _step_s(ev: Evidence, with_prompt: bool) -> dict[int, float]:
     }
 
 
-def _cpu_share(ev: Evidence, prof: dict[str, Any] | None) -> float:
-    """The decode engine threads' CPU time over their decode steps' wall time. NaN on a GPU
-    (there a step waits for the device, not for a core) or where a replica does not report it."""
+def _cpu_share(steps: list[dict[str, Any]], prof: dict[str, Any] | None) -> float:
+    """The decode engine threads' CPU time over their decode steps' wall time (``steps``: the
+    decode pool's buckets). NaN on a GPU (there a step waits for the device, not for a core)
+    or where a replica does not report it."""
     if prof is None or not str(prof.get("device", "cpu")).startswith("cpu"):
         return math.nan
-    steps = [b for b in ev.steps("decode") if b["rows"]]
+    steps = [b for b in steps if b["rows"]]
     wall = sum(b["seconds"] for b in steps)
     return sum(b["cpu_seconds"] for b in steps) / wall if wall > 0 else math.nan
 
@@ -236,7 +237,7 @@ def _itl(ev: Evidence, slo: Slo) -> Answer:
     n_mixed = sum(b["steps"] for b in steps if b["with_prompt"] and b["rows"])
     n_decode = sum(b["steps"] for b in steps if b["rows"])
     fig["decode_steps_with_prompt_share"] = n_mixed / n_decode if n_decode else math.nan
-    share = fig["decode_engine_cpu_share"] = _cpu_share(ev, prof)
+    share = fig["decode_engine_cpu_share"] = _cpu_share(steps, prof)
     if not tpot:
         return Answer(3, q, UNKNOWN, fig, "no request with two tokens or more to measure")
     if fig["tpot_p90_s"] <= slo.tpot_s:
